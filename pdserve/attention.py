@@ -1,0 +1,61 @@
+"""The attention backend: KV writes and paged attention for one engine step.
+
+``AttentionMetadata`` is built once per step by the model runner and shared by all
+layers. Within a layer every new token's KV is written before any attention reads
+the cache, so a request may read blocks that another request of the same step has
+just filled (prefix-cache hits registered during scheduling).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from kernels.kv_write import write_kv_ref
+from kernels.paged_attention import paged_attention_ref
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    seq_lens: list[int]  # per request: context length after this step
+    query_lens: list[int]  # per request: new tokens in this step
+
+    @property
+    def num_tokens(self) -> int:
+        return self.slot_mapping.shape[0]
+
+
+class AttentionBackend(ABC):
+    """Writes a layer's new K/V into its cache, then attends. Implementations must not keep state."""
+
+    name: str
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, Hq, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        kv_cache: torch.Tensor,  # [NB, 2, BS, Hkv, D]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, Hq, D]
+        ...
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """Plain-torch references from ``kernels/``: the CPU path and the ground truth for Triton."""
+
+    name = "torch"
+
+    def forward(self, q, k, v, kv_cache, meta, scale):
+        write_kv_ref(k, v, kv_cache, meta.slot_mapping)
+        return paged_attention_ref(q, kv_cache, meta.block_tables, meta.seq_lens, meta.query_lens, scale)
+
+
+def get_attention_backend(device: torch.device) -> AttentionBackend:
+    return TorchAttentionBackend()

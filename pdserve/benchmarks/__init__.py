@@ -1,0 +1,1 @@
+"""Benchmarks: measurements with a baseline beside them, run from `pdserve bench ...`, not from pytest."""

@@ -1,0 +1,145 @@
+"""The ``pdserve`` command line. Engine flags and their defaults come from ``pdserve.config``."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import logging
+import sys
+import types
+import typing
+
+from pdserve import config as config_module
+from pdserve import envs
+
+ENGINE_CONFIGS = (
+    config_module.ModelConfig,
+    config_module.CacheConfig,
+    config_module.SchedulerConfig,
+    config_module.DeviceConfig,
+)
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """Attribute docstrings (the string literal under each field) of a dataclass."""
+    docs: dict[str, str] = {}
+    body = ast.parse(inspect.getsource(cls)).body[0].body
+    for node, nxt in zip(body, body[1:]):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def _scalar_type(annotation: str) -> type:
+    hint = eval(annotation, vars(config_module))  # annotations are strings (PEP 563)
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    return hint
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    for cls in ENGINE_CONFIGS:
+        group = parser.add_argument_group(cls.__name__)
+        docs = _field_docs(cls)
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            kind = _scalar_type(f.type)
+            help_text = f"{docs.get(f.name, '')} (default: {f.default})"
+            if kind is bool:
+                group.add_argument(
+                    flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text
+                )
+            else:
+                group.add_argument(flag, type=kind, default=f.default, help=help_text)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return {f.name: getattr(args, f.name) for cls in ENGINE_CONFIGS for f in dataclasses.fields(cls)}
+
+
+def _cmd_generate(args: argparse.Namespace) -> None:
+    from pdserve import LLM, SamplingParams
+
+    llm = LLM(**engine_kwargs(args))
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.sampling_seed,
+        max_tokens=args.max_tokens,
+        stop=tuple(args.stop),
+        ignore_eos=args.ignore_eos,
+    )
+    prompts = args.prompt or ["Write a haiku about the sea."]
+    if args.chat:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+    else:
+        outputs = llm.generate(prompts, params)
+    for prompt, out in zip(prompts, outputs):
+        completion = out.outputs[0]
+        print(f"--- prompt: {prompt!r}")
+        print(completion.text)
+        print(
+            f"--- {len(completion.token_ids)} tokens, finish_reason={completion.finish_reason}, "
+            f"cached prompt tokens={out.num_cached_tokens}"
+        )
+
+
+def _cmd_bench_offline(args: argparse.Namespace) -> None:
+    from pdserve.benchmarks import offline
+
+    offline.run(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="offline generation on the local machine")
+    gen.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
+    gen.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="wrap each prompt as a user message in the chat template",
+    )
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--sampling-seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=[])
+    gen.add_argument("--ignore-eos", action="store_true")
+    add_engine_args(gen)
+    gen.set_defaults(func=_cmd_generate)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    from pdserve.benchmarks import offline
+
+    off = bench_sub.add_parser("offline", help="LLM.generate throughput against transformers generate_batch")
+    offline.add_cli_args(off)
+    off.set_defaults(func=_cmd_bench_offline)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(
+        level=envs.PDSERVE_LOG_LEVEL.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    args = build_parser().parse_args(argv)
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()

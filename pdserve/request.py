@@ -1,0 +1,122 @@
+"""A request inside an engine and its status machine.
+
+Token accounting follows vLLM v1: there are no separate prefill and decode phases.
+A request holds ``num_tokens`` tokens (prompt + output so far) of which
+``num_computed_tokens`` already have KV in the cache; each step the scheduler
+gives it some of the rest. When ``num_computed_tokens`` catches up with
+``num_tokens`` the step's logits sample the next token. A fresh request needs its
+whole prompt; a running one needs one token per step; a preempted one starts
+again from zero (prefix caching usually hands most of it back).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from pdserve.sampler import TokenLogprobs
+from pdserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Ordered so that ``status > PREEMPTED`` means finished."""
+
+    WAITING = enum.auto()
+    WAITING_FOR_REMOTE_KV = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    # Finished states: keep them after PREEMPTED.
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()
+
+    @property
+    def finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    arrival_time: float = field(default_factory=time.monotonic)
+    prompt: str | None = None
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1
+    """Prompt tokens served from the prefix cache at first scheduling; -1 until then."""
+    num_preemptions: int = 0
+    block_hashes: list[bytes] = field(default_factory=list)
+    """Chained hashes of the request's full blocks, extended as tokens arrive (see hashing.py)."""
+    stop_reason: int | str | None = None
+    """The stop token id or stop string that finished the request, if any."""
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError(f"request {self.request_id}: the prompt is empty")
+        assert self.num_computed_tokens <= self.num_tokens
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def append_output_token(self, token_id: int, logprobs: TokenLogprobs | None = None) -> None:
+        self.output_token_ids.append(token_id)
+        self.output_logprobs.append(logprobs)
+
+    def check_stop(self, max_model_len: int) -> RequestStatus | None:
+        """The finished status the newest output token implies, or None to keep going.
+
+        Stop strings need detokenized text and are checked by the output processor.
+        """
+        params = self.sampling_params
+        if self.num_output_tokens == 0:
+            return None
+        last = self.output_token_ids[-1]
+        if self.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and last in self.eos_token_ids:
+                self.stop_reason = None
+                return RequestStatus.FINISHED_STOPPED
+            if last in params.stop_token_ids:
+                self.stop_reason = last
+                return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and self.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        if self.num_tokens >= max_model_len:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None

@@ -1,0 +1,219 @@
+"""Continuous batching under a token budget, with chunked prefill and preemption by recompute.
+
+Each ``schedule()`` call fills one engine step:
+
+1. Running requests first, oldest first. Each gets what it still needs (one token when
+   decoding, the rest of its prompt when a prefill was chunked), capped by the budget.
+   When the pool cannot hold a request's new tokens, the newest running request is
+   preempted — its blocks are freed and it goes back to the front of the queue to be
+   recomputed later — until the request fits or was itself the one preempted.
+2. Then waiting requests, in arrival order, while budget, ``max_num_seqs`` and blocks
+   last. A request first takes back its longest cached prefix, then allocates for the
+   rest; with chunked prefill a prompt longer than the remaining budget takes what is left.
+
+``update_from_output`` advances ``num_computed_tokens``, appends sampled tokens of
+requests whose computed tokens caught up, and finishes those that stop.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from pdserve.config import CacheConfig, SchedulerConfig
+from pdserve.kv_cache_manager import KVCacheManager, cdiv
+from pdserve.request import Request, RequestStatus
+from pdserve.sampler import SamplerOutput
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """One request's share of a step: tokens ``[start, start + num_tokens)`` of its sequence."""
+
+    request: Request
+    start: int
+    num_tokens: int
+    block_ids: tuple[int, ...]
+
+    @property
+    def needs_sample(self) -> bool:
+        return self.start + self.num_tokens == self.request.num_tokens
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.request.all_token_ids[self.start : self.start + self.num_tokens]
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_blocks: int,
+        max_model_len: int,
+        namespace: str = "",
+        record_events: bool = False,
+    ) -> None:
+        self.config = scheduler_config
+        self.block_size = cache_config.block_size
+        self.max_model_len = max_model_len
+        self.kv = KVCacheManager(
+            num_blocks, self.block_size, cache_config.enable_prefix_caching, namespace, record_events
+        )
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    # -- admission -----------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        if request.num_prompt_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt is {request.num_prompt_tokens} tokens, "
+                f"longer than max_model_len {self.max_model_len}"
+            )
+        if cdiv(request.num_prompt_tokens + 1, self.block_size) > self.kv.pool.num_blocks:
+            raise ValueError(
+                f"prompt of {request.num_prompt_tokens} tokens needs more KV blocks than the cache holds "
+                f"({self.kv.pool.num_blocks} x {self.block_size} tokens)"
+            )
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        """End requests (abort, stop string, error); frees their blocks. Unknown ids are ignored."""
+        assert status.finished
+        done = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._free(request)
+            done.append(request)
+        return done
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # -- one step ------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled_ids: set[str] = set()
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            assert num_new > 0, f"running request {request.request_id} has nothing to compute"
+            while self.kv.allocate_slots(request, num_new) is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim.request_id)
+                if victim is request:
+                    break
+            else:
+                out.scheduled.append(self._scheduled(request, num_new))
+                scheduled_ids.add(request.request_id)
+                budget -= num_new
+                i += 1
+
+        # Admitting new work while running requests are being preempted would only thrash.
+        while self.waiting and budget > 0 and not out.preempted:
+            if len(self.running) >= self.config.max_num_seqs:
+                break
+            request = self.waiting[0]
+            hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+            num_new = request.num_tokens - num_hit_tokens
+            if num_new > budget:
+                if not self.config.enable_chunked_prefill:
+                    break
+                num_new = budget
+            if self.kv.allocate_slots(request, num_new, hits) is None:
+                break
+            self.waiting.popleft()
+            request.num_computed_tokens = num_hit_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append(self._scheduled(request, num_new))
+            budget -= num_new
+        return out
+
+    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+        block_ids = tuple(self.kv.get_block_ids(request.request_id))
+        return ScheduledRequest(request, request.num_computed_tokens, num_new, block_ids)
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def update_from_output(self, out: SchedulerOutput, sampled: SamplerOutput) -> list[Request]:
+        """Apply a step's results; returns requests that got a new token (finished ones included).
+
+        ``sampled`` holds one token per scheduled request with ``needs_sample``, in order.
+        """
+        tokens = iter(zip(sampled.token_ids, sampled.logprobs, strict=True))
+        updated = []
+        for s in out.scheduled:
+            request = s.request
+            needs_sample = s.needs_sample
+            request.num_computed_tokens += s.num_tokens
+            if not needs_sample:
+                continue
+            token_id, logprobs = next(tokens)
+            if request.is_finished:
+                continue  # aborted while the step ran
+            request.append_output_token(token_id, logprobs)
+            status = request.check_stop(self.max_model_len)
+            if status is not None:
+                self.running.remove(request)
+                request.status = status
+                self._free(request)
+            updated.append(request)
+        assert next(tokens, None) is None, "more sampled tokens than requests that sample"
+        return updated
+
+    def _free(self, request: Request) -> None:
+        self.kv.free(request)
+        del self.requests[request.request_id]
+
+    def check_integrity(self) -> None:
+        self.kv.check_integrity()
+        assert set(self.kv.req_to_blocks) <= {r.request_id for r in self.running}, "blocks held off the batch"
+        if not self.requests:
+            assert self.kv.num_free_blocks == self.kv.pool.num_blocks, "idle pool is not all free"

@@ -1,0 +1,91 @@
+"""Shared fixtures: torch threads, the default model folder, tiny random HF checkpoints."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+# Two cores are shared between test processes; one intra-op thread avoids oversubscription.
+torch.set_num_threads(int(os.environ.get("PDSERVE_TEST_THREADS", "2")))
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    from pdserve.config import ModelConfig
+    from pdserve.default_model import ensure_default_model
+
+    return ensure_default_model(ModelConfig().resolved_cache_dir)
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    """Give biases and norm weights non-trivial values, so loading them wrongly shows."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+            elif "norm" in name:
+                p.copy_(1.0 + torch.randn(p.shape, generator=gen) * 0.1)
+
+
+def make_tiny_hf_model(folder: Path, arch: str, seed: int = 0) -> Path:
+    """Save a small random HF checkpoint of ``arch`` (qwen2, qwen3, llama3) into ``folder``."""
+    import transformers
+
+    common = dict(
+        vocab_size=500,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        initializer_range=0.1,
+        eos_token_id=7,
+        bos_token_id=1,
+    )
+    if arch == "qwen2":
+        cfg = transformers.Qwen2Config(**common, tie_word_embeddings=False, rope_theta=10000.0)
+        cls = transformers.Qwen2ForCausalLM
+    elif arch == "qwen3":
+        cfg = transformers.Qwen3Config(**common, head_dim=32, tie_word_embeddings=True)
+        cls = transformers.Qwen3ForCausalLM
+    elif arch == "llama3":
+        cfg = transformers.LlamaConfig(
+            **common,
+            tie_word_embeddings=False,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+            rope_theta=500000.0,
+        )
+        cls = transformers.LlamaForCausalLM
+    else:
+        raise ValueError(arch)
+    torch.manual_seed(seed)
+    model = cls(cfg).float()
+    _randomize(model, seed)
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny-models")
+    return {arch: make_tiny_hf_model(root / arch, arch) for arch in ("qwen2", "qwen3", "llama3")}
