@@ -23,13 +23,15 @@ def gather_kv_ref(
     block_table: torch.Tensor,  # [B, max_blocks] int
     max_len: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values of each row's first ``max_len`` positions: two [B, Hkv, max_len, D] tensors."""
+    """Keys and values of each row's first ``max_len`` positions: two [B, Hkv, max_len, D] views."""
     block_size = kv_cache.shape[2]
     num_blocks = -(-max_len // block_size)
-    kv = kv_cache[block_table[:, :num_blocks].long()]  # [B, nb, 2, BS, Hkv, D]
-    b, nb, _, bs, h, d = kv.shape
-    kv = kv.permute(2, 0, 4, 1, 3, 5).reshape(2, b, h, nb * bs, d)[:, :, :, :max_len]
-    return kv[0], kv[1]
+    ids = block_table[:, :num_blocks].long()
+    out = []
+    for i in (0, 1):
+        x = kv_cache[:, i][ids]  # [B, nb, BS, Hkv, D]: one copy of the context
+        out.append(x.flatten(1, 2)[:, :max_len].transpose(1, 2))  # [B, Hkv, S, D] view
+    return out[0], out[1]
 
 
 def paged_attention_ref(

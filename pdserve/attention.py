@@ -23,10 +23,41 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [B, max_blocks] int32
     seq_lens: list[int]  # per request: context length after this step
     query_lens: list[int]  # per request: new tokens in this step
+    seq_lens_t: torch.Tensor  # [B] int32, on the device
+    query_start_loc: torch.Tensor  # [B + 1] int32, on the device: row offsets of each request's queries
+
+    @classmethod
+    def build(
+        cls,
+        slot_mapping: list[int],
+        block_tables: list[list[int]],
+        seq_lens: list[int],
+        query_lens: list[int],
+        device: torch.device,
+    ) -> AttentionMetadata:
+        starts = [0]
+        for n in query_lens:
+            starts.append(starts[-1] + n)
+        return cls(
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
+            block_tables=torch.tensor(block_tables, dtype=torch.int32, device=device),
+            seq_lens=seq_lens,
+            query_lens=query_lens,
+            seq_lens_t=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        )
 
     @property
     def num_tokens(self) -> int:
         return self.slot_mapping.shape[0]
+
+    @property
+    def max_query_len(self) -> int:
+        return max(self.query_lens)
+
+    @property
+    def max_seq_len(self) -> int:
+        return max(self.seq_lens)
 
 
 class AttentionBackend(ABC):
@@ -57,5 +88,28 @@ class TorchAttentionBackend(AttentionBackend):
         return paged_attention_ref(q, kv_cache, meta.block_tables, meta.seq_lens, meta.query_lens, scale)
 
 
+class TritonAttentionBackend(AttentionBackend):
+    """Triton kernels from ``kernels/``: the CUDA path."""
+
+    name = "triton"
+
+    def forward(self, q, k, v, kv_cache, meta, scale):
+        from kernels.kv_write import write_kv
+        from kernels.paged_attention import paged_attention
+
+        write_kv(k, v, kv_cache, meta.slot_mapping)
+        return paged_attention(
+            q,
+            kv_cache,
+            meta.block_tables,
+            meta.seq_lens_t,
+            meta.query_start_loc,
+            scale,
+            meta.max_query_len,
+            meta.max_seq_len,
+        )
+
+
 def get_attention_backend(device: torch.device) -> AttentionBackend:
-    return TorchAttentionBackend()
+    """Triton on CUDA, the torch references elsewhere."""
+    return TritonAttentionBackend() if device.type == "cuda" else TorchAttentionBackend()

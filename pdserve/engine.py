@@ -41,6 +41,12 @@ class LLMEngine:
         config = config.resolved(self.arch.dtype, self.arch.max_position_embeddings)
         self.config = config
         self.max_model_len = config.model.max_model_len
+        sched = config.scheduler
+        if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"without chunked prefill, max_num_batched_tokens ({sched.max_num_batched_tokens}) must be "
+                f">= max_model_len ({self.max_model_len}), or a long prompt could never be scheduled"
+            )
         if config.device.num_threads > 0:
             torch.set_num_threads(config.device.num_threads)
 

@@ -32,9 +32,6 @@ class KVCacheManager:
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # How many leading blocks of each request have already been offered to the cache map.
         self._num_cached_blocks: dict[str, int] = {}
-        self.num_prefix_queries = 0
-        self.num_prefix_hit_tokens = 0
-        self.num_prefix_query_tokens = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -64,9 +61,6 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.num_prefix_queries += 1
-        self.num_prefix_query_tokens += request.num_tokens
-        self.num_prefix_hit_tokens += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
 
     def allocate_slots(

@@ -53,11 +53,8 @@ class ModelRunner:
         num_blocks = -(-num_tokens // self.block_size)
         self.allocate_kv_cache(num_blocks)
         torch.cuda.reset_peak_memory_stats(self.device)
-        meta = AttentionMetadata(
-            slot_mapping=torch.arange(num_tokens, device=self.device),
-            block_tables=torch.arange(num_blocks, device=self.device, dtype=torch.int32)[None],
-            seq_lens=[num_tokens],
-            query_lens=[num_tokens],
+        meta = AttentionMetadata.build(
+            list(range(num_tokens)), [list(range(num_blocks))], [num_tokens], [num_tokens], self.device
         )
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         hidden = self.model(ids, torch.arange(num_tokens, device=self.device), meta, self.backend)
@@ -112,12 +109,7 @@ class ModelRunner:
         ]
 
         dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            block_tables=torch.tensor(table, dtype=torch.int32, device=dev),
-            seq_lens=seq_lens,
-            query_lens=query_lens,
-        )
+        meta = AttentionMetadata.build(slots, table, seq_lens, query_lens, dev)
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.long, device=dev),
             torch.tensor(positions, dtype=torch.long, device=dev),

@@ -35,10 +35,8 @@ class ScheduledRequest:
     start: int
     num_tokens: int
     block_ids: tuple[int, ...]
-
-    @property
-    def needs_sample(self) -> bool:
-        return self.start + self.num_tokens == self.request.num_tokens
+    needs_sample: bool
+    """The step reaches the end of the request's tokens, so its last row samples the next token."""
 
     @property
     def token_ids(self) -> list[int]:
@@ -79,6 +77,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        # Prefix-cache statistics, counted when a request is admitted.
+        self.num_prefix_query_tokens = 0
+        self.num_prefix_hit_tokens = 0
 
     # -- admission -----------------------------------------------------------------------------
 
@@ -90,7 +91,9 @@ class Scheduler:
                 f"prompt is {request.num_prompt_tokens} tokens, "
                 f"longer than max_model_len {self.max_model_len}"
             )
-        if cdiv(request.num_prompt_tokens + 1, self.block_size) > self.kv.pool.num_blocks:
+        # The prompt plus the first sampled token, but a request never holds KV past max_model_len.
+        num_tokens = min(request.num_prompt_tokens + 1, self.max_model_len)
+        if cdiv(num_tokens, self.block_size) > self.kv.pool.num_blocks:
             raise ValueError(
                 f"prompt of {request.num_prompt_tokens} tokens needs more KV blocks than the cache holds "
                 f"({self.kv.pool.num_blocks} x {self.block_size} tokens)"
@@ -128,7 +131,6 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        scheduled_ids: set[str] = set()
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -143,7 +145,6 @@ class Scheduler:
                     break
             else:
                 out.scheduled.append(self._scheduled(request, num_new))
-                scheduled_ids.add(request.request_id)
                 budget -= num_new
                 i += 1
 
@@ -162,6 +163,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             request.num_computed_tokens = num_hit_tokens
+            self.num_prefix_query_tokens += request.num_tokens
+            self.num_prefix_hit_tokens += num_hit_tokens
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
             request.status = RequestStatus.RUNNING
@@ -172,7 +175,8 @@ class Scheduler:
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         block_ids = tuple(self.kv.get_block_ids(request.request_id))
-        return ScheduledRequest(request, request.num_computed_tokens, num_new, block_ids)
+        start = request.num_computed_tokens
+        return ScheduledRequest(request, start, num_new, block_ids, start + num_new == request.num_tokens)
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
@@ -187,13 +191,15 @@ class Scheduler:
 
         ``sampled`` holds one token per scheduled request with ``needs_sample``, in order.
         """
-        tokens = iter(zip(sampled.token_ids, sampled.logprobs, strict=True))
+        num_samples = sum(1 for s in out.scheduled if s.needs_sample)
+        if len(sampled.token_ids) != num_samples or len(sampled.logprobs) != num_samples:
+            raise ValueError(f"{len(sampled.token_ids)} sampled tokens for {num_samples} sampling requests")
+        tokens = iter(zip(sampled.token_ids, sampled.logprobs))
         updated = []
         for s in out.scheduled:
             request = s.request
-            needs_sample = s.needs_sample
             request.num_computed_tokens += s.num_tokens
-            if not needs_sample:
+            if not s.needs_sample:
                 continue
             token_id, logprobs = next(tokens)
             if request.is_finished:
@@ -205,7 +211,6 @@ class Scheduler:
                 request.status = status
                 self._free(request)
             updated.append(request)
-        assert next(tokens, None) is None, "more sampled tokens than requests that sample"
         return updated
 
     def _free(self, request: Request) -> None:
@@ -215,5 +220,7 @@ class Scheduler:
     def check_integrity(self) -> None:
         self.kv.check_integrity()
         assert set(self.kv.req_to_blocks) <= {r.request_id for r in self.running}, "blocks held off the batch"
+        queued = {r.request_id for r in self.running} | {r.request_id for r in self.waiting}
+        assert queued == set(self.requests), "a known request is neither running nor waiting"
         if not self.requests:
             assert self.kv.num_free_blocks == self.kv.pool.num_blocks, "idle pool is not all free"

@@ -232,15 +232,6 @@ def test_caching_disabled():
     kv.check_integrity()
 
 
-def test_prefix_stats():
-    kv = KVCacheManager(8, BS)
-    admit(kv, make_request("a", list(range(9))))
-    kv.get_computed_blocks(make_request("b", list(range(9))))
-    assert kv.num_prefix_queries == 2
-    assert kv.num_prefix_query_tokens == 18
-    assert kv.num_prefix_hit_tokens == 8
-
-
 def test_check_integrity_catches_a_lost_reference():
     kv = KVCacheManager(4, BS)
     admit(kv, make_request("a", list(range(6))))

@@ -57,7 +57,8 @@ def test_prefix_cache_hits_keep_tokens(default_model_dir, reference):
     llm = LLM(str(default_model_dir), dtype="float32", enable_prefix_caching=True, max_num_batched_tokens=256)
     kv = llm.engine.scheduler.kv
     first = llm.generate(prompts, GREEDY)
-    hits_after_first = kv.num_prefix_hit_tokens
+    sched = llm.engine.scheduler
+    hits_after_first = sched.num_prefix_hit_tokens
     second = llm.generate(prompts, GREEDY)
     assert _tokens(first) == expected
     assert _tokens(second) == expected
@@ -65,7 +66,7 @@ def test_prefix_cache_hits_keep_tokens(default_model_dir, reference):
     for out, prompt in zip(second, prompts):
         n = len(prompt["prompt_token_ids"])
         assert out.num_cached_tokens == (n - 1) // 16 * 16 > 0
-    assert kv.num_prefix_hit_tokens - hits_after_first == sum(o.num_cached_tokens for o in second)
+    assert sched.num_prefix_hit_tokens - hits_after_first == sum(o.num_cached_tokens for o in second)
     assert kv.num_free_blocks == kv.pool.num_blocks
     kv.check_integrity()
 
