@@ -68,6 +68,7 @@ class KVCacheManager:
         request: Request,
         num_new_tokens: int,
         new_computed_blocks: Sequence[KVCacheBlock] = (),
+        cache: bool = True,
     ) -> list[KVCacheBlock] | None:
         """Make room for ``num_new_tokens`` more tokens of ``request``; None if the pool is short.
 
@@ -81,7 +82,8 @@ class KVCacheManager:
         has not yet referenced; the caller adds their tokens to ``num_computed_tokens``.
         Full blocks covered by this step are registered in the cache map right away: the
         engine writes all of a step's KV before any attention reads it, so a later request
-        in the same step may already share them.
+        in the same step may already share them. ``cache=False`` defers that for blocks whose
+        KV arrives from elsewhere (a remote prefill): see ``cache_blocks``.
         """
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
@@ -99,14 +101,21 @@ class KVCacheManager:
         new_blocks = self.pool.get_new_blocks(max(num_new_blocks, 0))
         blocks.extend(new_blocks)
 
-        if self.enable_caching:
-            self.update_block_hashes(request)
-            num_full = min((num_computed + num_new_tokens) // self.block_size, len(request.block_hashes))
-            start = self._num_cached_blocks.get(request.request_id, 0)
-            if num_full > start:
-                self.pool.cache_full_blocks(blocks[start:num_full], request.block_hashes[start:num_full])
-                self._num_cached_blocks[request.request_id] = num_full
+        if cache:
+            self.cache_blocks(request, num_computed + num_new_tokens)
         return new_blocks
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Register the request's full blocks among its first ``num_tokens`` tokens in the cache map."""
+        if not self.enable_caching:
+            return
+        self.update_block_hashes(request)
+        blocks = self.req_to_blocks[request.request_id]
+        num_full = min(num_tokens // self.block_size, len(request.block_hashes))
+        start = self._num_cached_blocks.get(request.request_id, 0)
+        if num_full > start:
+            self.pool.cache_full_blocks(blocks[start:num_full], request.block_hashes[start:num_full])
+            self._num_cached_blocks[request.request_id] = num_full
 
     def free(self, request: Request) -> None:
         """Release every block of the request, tail first so shared prefixes are evicted last."""

@@ -69,6 +69,8 @@ class Request:
     """Chained hashes of the request's full blocks, extended as tokens arrive (see hashing.py)."""
     stop_reason: int | str | None = None
     """The stop token id or stop string that finished the request, if any."""
+    hold_blocks: bool = False
+    """Keep the blocks after a normal finish until ``Scheduler.release_held`` (KV still to be sent)."""
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

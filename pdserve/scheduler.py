@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pdserve.config import CacheConfig, SchedulerConfig
 from pdserve.kv_cache_manager import KVCacheManager, cdiv
 from pdserve.request import Request, RequestStatus
-from pdserve.sampler import SamplerOutput
+from pdserve.sampler import SamplerOutput, TokenLogprobs
 
 
 @dataclass(frozen=True)
@@ -76,6 +76,10 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # Blocks reserved for KV that another node computes (WAITING_FOR_REMOTE_KV).
+        self.remote: dict[str, Request] = {}
+        # Blocks of finished requests kept until their KV has been sent elsewhere.
+        self.held: dict[str, Request] = {}
         self.num_preemptions = 0
         # Prefix-cache statistics, counted when a request is admitted.
         self.num_prefix_query_tokens = 0
@@ -84,7 +88,13 @@ class Scheduler:
     # -- admission -----------------------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests:
+        self._validate(request)
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def _validate(self, request: Request) -> None:
+        if request.request_id in self.requests or request.request_id in self.held:
             raise ValueError(f"duplicate request id {request.request_id!r}")
         if request.num_prompt_tokens > self.max_model_len:
             raise ValueError(
@@ -98,9 +108,55 @@ class Scheduler:
                 f"prompt of {request.num_prompt_tokens} tokens needs more KV blocks than the cache holds "
                 f"({self.kv.pool.num_blocks} x {self.block_size} tokens)"
             )
-        request.status = RequestStatus.WAITING
+
+    # -- KV computed elsewhere (decode side of disaggregation) ---------------------------------
+
+    def reserve_remote(self, request: Request) -> list[int] | None:
+        """Reserve blocks for the whole prompt, whose KV another node will write; None if short.
+
+        The blocks stay out of the prefix cache until ``remote_kv_landed``: until then
+        their contents are not valid and no other request may share them.
+        """
+        self._validate(request)
+        if self.kv.allocate_slots(request, request.num_prompt_tokens, cache=False) is None:
+            return None
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self.remote[request.request_id] = request
+        return self.kv.get_block_ids(request.request_id)
+
+    def remote_kv_landed(
+        self, request_id: str, first_token: int, logprobs: TokenLogprobs | None, num_cached_tokens: int
+    ) -> Request | None:
+        """The prompt's KV has fully arrived with its first token; the request joins the queue.
+
+        Returns the request (finished already if the first token stops it), or None when it
+        is no longer reserved (aborted or expired meanwhile).
+        """
+        request = self.remote.pop(request_id, None)
+        if request is None:
+            return None
+        request.num_computed_tokens = request.num_prompt_tokens
+        request.num_cached_tokens = num_cached_tokens
+        self.kv.cache_blocks(request, request.num_prompt_tokens)
+        request.append_output_token(first_token, logprobs)
+        status = request.check_stop(self.max_model_len)
+        if status is not None:
+            request.status = status
+            self._free(request)
+        else:
+            # It holds its blocks already: serve it before new prompts.
+            request.status = RequestStatus.WAITING
+            self.waiting.appendleft(request)
+        return request
+
+    # -- KV sent elsewhere (prefill side of disaggregation) ------------------------------------
+
+    def release_held(self, request_id: str) -> None:
+        """Free the blocks a finished ``hold_blocks`` request kept for sending its KV."""
+        request = self.held.pop(request_id, None)
+        if request is not None:
+            self.kv.free(request)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
         """End requests (abort, stop string, error); frees their blocks. Unknown ids are ignored."""
@@ -112,6 +168,8 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
+            elif request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+                del self.remote[request_id]
             else:
                 self.waiting.remove(request)
             request.status = status
@@ -125,6 +183,10 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
+
+    def has_work(self) -> bool:
+        """Whether ``schedule()`` could do anything (requests waiting for remote KV cannot run)."""
+        return bool(self.running or self.waiting)
 
     # -- one step ------------------------------------------------------------------------------
 
@@ -153,7 +215,13 @@ class Scheduler:
             if len(self.running) >= self.config.max_num_seqs:
                 break
             request = self.waiting[0]
-            hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+            if request.num_computed_tokens:
+                # Its prompt's KV was written by another node: it holds those blocks already.
+                hits, num_hit_tokens = [], request.num_computed_tokens
+            else:
+                hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+                self.num_prefix_query_tokens += request.num_tokens
+                self.num_prefix_hit_tokens += num_hit_tokens
             num_new = request.num_tokens - num_hit_tokens
             if num_new > budget:
                 if not self.config.enable_chunked_prefill:
@@ -163,8 +231,6 @@ class Scheduler:
                 break
             self.waiting.popleft()
             request.num_computed_tokens = num_hit_tokens
-            self.num_prefix_query_tokens += request.num_tokens
-            self.num_prefix_hit_tokens += num_hit_tokens
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
             request.status = RequestStatus.RUNNING
@@ -214,13 +280,20 @@ class Scheduler:
         return updated
 
     def _free(self, request: Request) -> None:
-        self.kv.free(request)
         del self.requests[request.request_id]
+        if request.hold_blocks and request.status in (
+            RequestStatus.FINISHED_STOPPED,
+            RequestStatus.FINISHED_LENGTH_CAPPED,
+        ):
+            self.held[request.request_id] = request
+        else:
+            self.kv.free(request)
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()
-        assert set(self.kv.req_to_blocks) <= {r.request_id for r in self.running}, "blocks held off the batch"
         queued = {r.request_id for r in self.running} | {r.request_id for r in self.waiting}
-        assert queued == set(self.requests), "a known request is neither running nor waiting"
-        if not self.requests:
+        assert queued | set(self.remote) == set(self.requests), "a known request is in no queue"
+        owners = queued | set(self.remote) | set(self.held)
+        assert set(self.kv.req_to_blocks) <= owners, "blocks held by a request the scheduler forgot"
+        if not self.requests and not self.held:
             assert self.kv.num_free_blocks == self.kv.pool.num_blocks, "idle pool is not all free"

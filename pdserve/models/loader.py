@@ -8,6 +8,7 @@ with the right shape, or loading fails with an error naming the tensor.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,35 +83,43 @@ def load_weights(model: CausalLM, folder: Path) -> None:
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise WeightError(f"no *.safetensors files in {folder}")
+
+    def tensors() -> Iterator[tuple[str, str, torch.Tensor]]:
+        for file in files:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    yield name, file.name, f.get_tensor(name)
+
+    load_named_tensors(model, tensors(), str(folder))
+
+
+def load_named_tensors(model: CausalLM, tensors: Iterable[tuple[str, str, torch.Tensor]], where: str) -> None:
+    """Copy ``(hf_name, origin, tensor)`` triples into the model; every expected tensor exactly once."""
     arch = model.arch
     params = dict(model.named_parameters(remove_duplicate=False))
     expected = set(expected_checkpoint_names(arch))
     seen: set[str] = set()
-    for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                if name not in expected:
-                    if name == "lm_head.weight" and arch.tie_word_embeddings:
-                        continue  # some tied checkpoints still store the head
-                    if name.endswith("rotary_emb.inv_freq"):
-                        continue
-                    raise WeightError(f"unexpected tensor {name!r} in {file.name}")
-                slot = _slots(arch, name)
-                target = params[slot.param]
-                if slot.start is not None:
-                    target = target[slot.start : slot.stop]
-                tensor = f.get_tensor(name)
-                if tuple(tensor.shape) != tuple(target.shape):
-                    raise WeightError(
-                        f"tensor {name!r} in {file.name} has shape {tuple(tensor.shape)}, "
-                        f"expected {tuple(target.shape)}"
-                    )
-                target.copy_(tensor)
-                seen.add(name)
+    for name, origin, tensor in tensors:
+        if name not in expected:
+            if name == "lm_head.weight" and arch.tie_word_embeddings:
+                continue  # some tied checkpoints still store the head
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            raise WeightError(f"unexpected tensor {name!r} in {origin}")
+        slot = _slots(arch, name)
+        target = params[slot.param]
+        if slot.start is not None:
+            target = target[slot.start : slot.stop]
+        if tuple(tensor.shape) != tuple(target.shape):
+            raise WeightError(
+                f"tensor {name!r} in {origin} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
+            )
+        target.copy_(tensor)
+        seen.add(name)
     missing = sorted(expected - seen, key=lambda n: (len(n), n))
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise WeightError(f"missing tensor {missing[0]!r}{more} in {folder}")
+        raise WeightError(f"missing tensor {missing[0]!r}{more} in {where}")
 
 
 def init_random_weights(model: CausalLM, seed: int, std: float = 0.02) -> None:

@@ -1,0 +1,241 @@
+"""Typed messages that cross process boundaries, and their one serializer (msgpack via msgspec).
+
+Control plane (HTTP between proxy and nodes) and data plane (KV transport frames)
+carry only these structs. Every decode validates types and required fields; semantic
+checks (sizes, ids, block ranges) happen where the message is used.
+
+Request life cycle across processes (numbers match docs/architecture.md):
+
+1. proxy -> decode ``ReserveRequest``; decode -> proxy ``LandingDescriptor``
+2. proxy -> decode ``StreamRequest`` (opens the token stream of ``TokenEvent`` frames)
+3. proxy -> prefill ``PrefillRequest`` (carries the landing descriptor)
+4. prefill -> decode over the KV transport: ``KVHandshake`` once per peer, then
+   ``KVBlocks`` frames and one ``KVCommit`` per request
+5. prefill -> proxy ``PrefillResult`` (control plane only: ok or an error)
+6. proxy -> either node ``AbortRequest`` on client disconnect or failure
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any, TypeVar
+
+import msgspec
+
+from pdserve.sampler import TokenLogprobs
+from pdserve.sampling_params import SamplingParams
+
+T = TypeVar("T")
+
+
+class Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag=True):
+    """Base of every cross-process message; tagged with its class name, so unions decode."""
+
+
+class SamplingParamsMsg(Message):
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    @classmethod
+    def from_params(cls, p: SamplingParams) -> SamplingParamsMsg:
+        return cls(**{f: getattr(p, f) for f in cls.__struct_fields__})
+
+    def to_params(self) -> SamplingParams:
+        return SamplingParams(**{f: getattr(self, f) for f in self.__struct_fields__})
+
+
+class NodeInfo(Message):
+    """What a node is; peers compare it at handshake and refuse mismatches."""
+
+    node_id: str
+    role: str  # prefill | decode | both
+    model_id: str
+    dtype: str
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    kv_layout: str
+    kv_transport: str
+    kv_address: str  # where the node's KV transport listens ("" when it receives none)
+    max_model_len: int
+    vocab_size: int
+
+
+class NodeLoad(Message):
+    running: int
+    waiting: int
+    waiting_for_kv: int
+    free_blocks: int
+    total_blocks: int
+
+
+class ReserveRequest(Message):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParamsMsg
+    lease_s: float
+
+
+class LandingDescriptor(Message):
+    """Where a prompt's KV must land on a decode node: block i of the prompt goes to block_ids[i]."""
+
+    request_id: str
+    node_id: str
+    kv_address: str
+    block_ids: list[int]
+    num_prompt_tokens: int
+    lease_deadline: float  # unix time after which the reservation is void
+
+
+class StreamRequest(Message):
+    request_id: str
+
+
+class PrefillRequest(Message):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParamsMsg
+    landing: LandingDescriptor
+
+
+class PrefillResult(Message):
+    request_id: str
+    ok: bool
+    error: str = ""
+    num_cached_tokens: int = 0
+
+
+class AbortRequest(Message):
+    request_id: str
+
+
+class LogprobsMsg(Message):
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]
+
+    @classmethod
+    def from_logprobs(cls, lp: TokenLogprobs) -> LogprobsMsg:
+        return cls(lp.token_id, lp.logprob, lp.rank, [tuple(t) for t in lp.top])
+
+    def to_logprobs(self) -> TokenLogprobs:
+        return TokenLogprobs(self.token_id, self.logprob, self.rank, tuple(tuple(t) for t in self.top))
+
+
+class TokenEvent(Message):
+    """One step of a request's output as the decode node streams it."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str  # the text these tokens completed
+    logprobs: list[LogprobsMsg] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: str = ""
+
+
+class KVHandshake(Message):
+    info: NodeInfo
+    cluster_token: str = ""
+
+
+class KVHandshakeReply(Message):
+    ok: bool
+    error: str = ""
+    info: NodeInfo | None = None
+
+
+class KVBlocks(Message):
+    """Header of one payload frame: layers [layer_start, layer_end) of the listed destination blocks.
+
+    The payload is the raw bytes of a [layer_end - layer_start, len(block_ids), 2, BS, Hkv, D]
+    tensor in the agreed dtype.
+    """
+
+    request_id: str
+    block_ids: list[int]
+    layer_start: int
+    layer_end: int
+    nbytes: int
+
+
+class KVCommit(Message):
+    """All of a request's KV was sent; carries what the decode node needs to continue."""
+
+    request_id: str
+    first_token: int
+    first_logprobs: LogprobsMsg | None = None
+    generator_state: bytes = b""  # the seeded sampler's state after the first token
+    num_cached_tokens: int = 0
+
+
+class KVAck(Message):
+    request_id: str
+    ok: bool
+    error: str = ""
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoders: dict[Any, msgspec.msgpack.Decoder] = {}
+
+
+def encode(msg: Message) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(data: bytes | memoryview, kind: type[T]) -> T:
+    """Decode ``data`` as ``kind`` (a Message subclass or a Union of them); raises ``msgspec.DecodeError``."""
+    dec = _decoders.get(kind)
+    if dec is None:
+        dec = _decoders[kind] = msgspec.msgpack.Decoder(kind)
+    return dec.decode(data)
+
+
+_LEN = struct.Struct("<I")
+
+
+def frame(msg: Message) -> bytes:
+    """A length-prefixed message, for byte streams (HTTP streaming bodies)."""
+    body = encode(msg)
+    return _LEN.pack(len(body)) + body
+
+
+class FrameReader:
+    """Splits a byte stream into length-prefixed messages."""
+
+    MAX_FRAME = 64 << 20
+
+    def __init__(self, kind: type[T]) -> None:
+        self.kind = kind
+        self._buf = bytearray()
+
+    def feed(self, chunk: bytes) -> list:
+        self._buf += chunk
+        out = []
+        while len(self._buf) >= _LEN.size:
+            (n,) = _LEN.unpack_from(self._buf)
+            if n > self.MAX_FRAME:
+                raise ValueError(f"frame of {n} bytes exceeds the {self.MAX_FRAME}-byte limit")
+            if len(self._buf) < _LEN.size + n:
+                break
+            out.append(decode(bytes(self._buf[_LEN.size : _LEN.size + n]), self.kind))
+            del self._buf[: _LEN.size + n]
+        return out

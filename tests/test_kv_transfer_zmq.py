@@ -1,0 +1,91 @@
+"""The zmq KV transport over real loopback sockets: delivery, validation, leases, refusals."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import msgspec
+import pytest
+import torch
+
+from kv_transfer import KVTransferError, ReservationTable
+from kv_transfer.zmq_backend import ZmqReceiver, ZmqSender
+from pdserve.messages import KVCommit, NodeInfo
+
+L, NB, BS, H, D = 3, 12, 4, 2, 8
+
+
+def info(node_id: str, **kw) -> NodeInfo:
+    base = NodeInfo(node_id, "decode", "m", "float32", BS, L, H, D, "LNB2SHD", "zmq", "", 64, 100)
+    return msgspec.structs.replace(base, **kw)
+
+
+@pytest.fixture
+def pair():
+    src = torch.randn(L, NB, 2, BS, H, D)
+    dst = torch.zeros(L, NB, 2, BS, H, D)
+    table = ReservationTable(L)
+    commits: list[KVCommit] = []
+    receiver = ZmqReceiver()
+    receiver.register_kv_cache(dst)
+    address = receiver.start(info("decode-0"), table, commits.append)
+    sender = ZmqSender()
+    sender.register_kv_cache(src)
+    yield src, dst, table, commits, sender, address
+    sender.close()
+    receiver.close()
+
+
+def test_blocks_land_in_reserved_slots(pair):
+    src, dst, table, commits, sender, address = pair
+    table.add("r1", [7, 2, 9], time.time() + 10)
+    ack = sender.send(
+        address, info("prefill-0"), [0, 5, 11], [7, 2, 9], KVCommit("r1", first_token=42), 5
+    ).result()
+    assert ack.ok and [c.first_token for c in commits] == [42]
+    for s, d in zip([0, 5, 11], [7, 2, 9]):
+        assert torch.equal(dst[:, d], src[:, s])
+    untouched = [b for b in range(NB) if b not in (7, 2, 9)]
+    assert dst[:, untouched].abs().sum() == 0
+
+
+def test_handshake_refuses_mismatch_by_name(pair):
+    _, _, table, _, sender, address = pair
+    with pytest.raises(KVTransferError, match=r"block_size: 4 .* vs 16"):
+        sender.handshake(address, info("prefill-0", block_size=16), 5)
+
+
+def test_unreserved_blocks_and_expired_leases_are_refused(pair):
+    _, dst, table, commits, sender, address = pair
+    table.add("r2", [1], time.time() + 10)
+    fut = sender.send(address, info("p"), [0, 1], [1, 3], KVCommit("r2", 1), 5)  # block 3 not reserved
+    with pytest.raises(KVTransferError, match="not all reserved"):
+        fut.result()
+    table.add("r3", [4], time.time() - 1)  # lease already over
+    with pytest.raises(KVTransferError, match="lease expired"):
+        sender.send(address, info("p"), [0], [4], KVCommit("r3", 1), 5).result()
+    assert dst.abs().sum() == 0 and commits == []
+    assert table.expired() == ["r3"]
+
+
+def test_released_reservation_takes_no_writes(pair):
+    _, dst, table, commits, sender, address = pair
+    table.add("r4", [5], time.time() + 10)
+    table.release("r4")
+    with pytest.raises(KVTransferError, match="no reservation"):
+        sender.send(address, info("p"), [0], [5], KVCommit("r4", 1), 5).result()
+    assert dst.abs().sum() == 0 and commits == []
+
+
+def test_dead_peer_times_out():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    sender = ZmqSender()
+    sender.register_kv_cache(torch.zeros(L, NB, 2, BS, H, D))
+    start = time.monotonic()
+    with pytest.raises(KVTransferError, match="no reply"):
+        sender.send(f"tcp://127.0.0.1:{port}", info("p"), [0], [0], KVCommit("r", 1), 0.5).result()
+    assert time.monotonic() - start < 3
+    sender.close()
