@@ -46,7 +46,12 @@ def _scalar_type(annotation: str) -> type:
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    for cls in ENGINE_CONFIGS:
+    add_config_args(parser, ENGINE_CONFIGS)
+
+
+def add_config_args(parser: argparse.ArgumentParser, classes) -> None:
+    """One flag per dataclass field, named after it, with the field's default and docstring."""
+    for cls in classes:
         group = parser.add_argument_group(cls.__name__)
         docs = _field_docs(cls)
         for f in dataclasses.fields(cls):
@@ -63,6 +68,25 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return {f.name: getattr(args, f.name) for cls in ENGINE_CONFIGS for f in dataclasses.fields(cls)}
+
+
+def config_from_args(cls, args: argparse.Namespace):
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+def _cmd_node(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from pdserve.config import EngineConfig, NodeConfig
+
+    if args.command == "prefill":
+        from prefill_node.server import create_app
+    else:
+        from decode_node.server import create_app
+    node = config_from_args(NodeConfig, args)
+    app = create_app(EngineConfig.from_kwargs(**engine_kwargs(args)), node)
+    print(f"pdserve {args.command} node: http://{node.host}:{node.port}", file=sys.stderr, flush=True)
+    uvicorn.run(app, host=node.host, port=node.port, log_level="warning", timeout_graceful_shutdown=5)
 
 
 def _cmd_generate(args: argparse.Namespace) -> None:
@@ -120,6 +144,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true")
     add_engine_args(gen)
     gen.set_defaults(func=_cmd_generate)
+
+    for role in ("prefill", "decode"):
+        node = sub.add_parser(role, help=f"run a {role} node")
+        add_config_args(node, (config_module.NodeConfig,))
+        add_engine_args(node)
+        node.set_defaults(func=_cmd_node)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)

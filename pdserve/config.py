@@ -172,5 +172,27 @@ class EngineConfig:
         )
 
 
+@dataclass(frozen=True)
+class NodeConfig:
+    """A prefill or decode node's server and KV transport."""
+
+    host: str = "127.0.0.1"
+    """Interface the node's HTTP API binds to."""
+    port: int = 8100
+    """HTTP port of the node's internal API."""
+    kv_host: str = "127.0.0.1"
+    """Interface the KV receiver binds to (decode nodes)."""
+    kv_port: int = 0
+    """KV receiver port; 0 picks a free one."""
+    kv_transport: str = "auto"
+    """auto, zmq (nccl and nixl come with the GPU transfer work)."""
+    kv_transfer_timeout_s: float = 30.0
+    """Longest a prefill node waits for the decode node to ack a request's KV."""
+    cluster_token: str = ""
+    """Shared secret required on internal APIs and KV messages; empty disables the check."""
+    node_id: str = ""
+    """Name in logs and handshakes; empty means role@host:port."""
+
+
 def cpu_count() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

@@ -16,7 +16,7 @@ from pdserve.models import load_model, resolve_model
 from pdserve.models.arch import ArchConfig
 from pdserve.outputs import CompletionOutput, RequestOutput
 from pdserve.request import Request, RequestStatus
-from pdserve.sampler import Sampler, SamplingRow, make_generator
+from pdserve.sampler import Sampler, SamplingRow, TokenLogprobs, make_generator
 from pdserve.sampling_params import SamplingParams
 from pdserve.scheduler import Scheduler
 from pdserve.tokenizer import IncrementalDetokenizer, load_tokenizer
@@ -112,6 +112,17 @@ class LLMEngine:
         prompt: str | None,
         params: SamplingParams,
         prompt_token_ids: list[int] | None = None,
+        hold_blocks: bool = False,
+    ) -> Request:
+        """Queue a request. ``hold_blocks`` keeps its KV blocks after it finishes (see ``release_held``)."""
+        request = self._new_request(request_id, prompt, params, prompt_token_ids)
+        request.hold_blocks = hold_blocks
+        self.scheduler.add_request(request)
+        self._track(request)
+        return request
+
+    def _new_request(
+        self, request_id: str, prompt: str | None, params: SamplingParams, prompt_token_ids: list[int] | None
     ) -> Request:
         if prompt_token_ids is None:
             if prompt is None:
@@ -120,10 +131,12 @@ class LLMEngine:
         bad = [t for t in prompt_token_ids if not 0 <= t < self.arch.vocab_size]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.arch.vocab_size})")
-        request = Request(
+        return Request(
             request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids, prompt=prompt
         )
-        self.scheduler.add_request(request)
+
+    def _track(self, request: Request) -> None:
+        params = request.sampling_params
         generator = None
         if params.seed is not None:
             generator = make_generator(params.seed, self.config.torch_device)
@@ -132,12 +145,66 @@ class LLMEngine:
             detokenizer = IncrementalDetokenizer(
                 self.tokenizer, request.prompt_token_ids, params.skip_special_tokens
             )
-        self._states[request_id] = _RequestState(request, generator, detokenizer)
-        return request
+        self._states[request.request_id] = _RequestState(request, generator, detokenizer)
 
-    def abort_request(self, request_ids: list[str]) -> None:
-        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+    # -- disaggregation ------------------------------------------------------------------------
+
+    def reserve_remote(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> list[int] | None:
+        """Reserve blocks for a prompt whose KV another node computes; None when blocks are short now.
+
+        Raises ValueError for a request this engine can never serve.
+        """
+        request = self._new_request(request_id, None, params, prompt_token_ids)
+        block_ids = self.scheduler.reserve_remote(request)
+        if block_ids is not None:
+            self._track(request)
+        return block_ids
+
+    def remote_kv_landed(
+        self,
+        request_id: str,
+        first_token: int,
+        logprobs: TokenLogprobs | None,
+        generator_state: bytes,
+        num_cached_tokens: int,
+    ) -> RequestOutput | None:
+        """Continue a reserved request whose prompt KV and first token arrived; None if it is gone."""
+        state = self._states.get(request_id)
+        if state is None:
+            return None
+        if state.generator is not None and generator_state:
+            state.generator.set_state(torch.frombuffer(bytearray(generator_state), dtype=torch.uint8))
+        request = self.scheduler.remote_kv_landed(request_id, first_token, logprobs, num_cached_tokens)
+        if request is None:
+            self._states.pop(request_id, None)
+            return None
+        return self._process(request)
+
+    def generator_state(self, request_id: str) -> bytes:
+        """The seeded sampler state of a request (empty when unseeded), to continue sampling elsewhere."""
+        state = self._states.get(request_id)
+        if state is None or state.generator is None:
+            return b""
+        return state.generator.get_state().cpu().numpy().tobytes()
+
+    def held_block_ids(self, request_id: str) -> list[int] | None:
+        if request_id not in self.scheduler.held:
+            return None
+        return self.scheduler.kv.get_block_ids(request_id)
+
+    def release_held(self, request_id: str) -> None:
+        self.scheduler.release_held(request_id)
+        self._states.pop(request_id, None)
+
+    def abort_request(
+        self, request_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED
+    ) -> None:
+        """End requests wherever they are (queued, running, waiting for KV, or holding blocks)."""
+        self.scheduler.finish_requests(request_ids, status)
         for request_id in request_ids:
+            self.release_held(request_id)
             self._states.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:
@@ -171,6 +238,10 @@ class LLMEngine:
 
     def _process(self, request: Request) -> RequestOutput:
         state = self._states[request.request_id]
+        if request.hold_blocks and request.is_finished:
+            # A prefill-only request: its output is the first token, the text is the decode node's
+            # job; its state (the seeded generator) lives until ``release_held``.
+            return self._output(request, "")
         params = request.sampling_params
         detok = state.detokenizer
         if detok is not None:

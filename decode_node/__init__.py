@@ -1,0 +1,1 @@
+"""Decode node: reserves KV blocks under a lease, receives the prompt's KV, decodes in continuous batches."""

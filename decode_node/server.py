@@ -1,0 +1,225 @@
+"""The decode node: reserves blocks under a lease, receives KV, runs continuous batches, streams tokens.
+
+Per request (see pdserve/messages.py for the numbered protocol):
+
+1. ``POST /internal/reserve``: the engine reserves blocks for the prompt
+   (``WAITING_FOR_REMOTE_KV``) and the reservation table records them with a deadline;
+   the answer is the landing descriptor. Subscribing to the request's outputs happens
+   here too, so no token can be produced before someone listens.
+2. ``POST /internal/stream``: the token stream. Closing it aborts the request.
+3. The KV receiver thread validates and writes frames; on commit the engine thread
+   moves the request into the batch with its first token.
+4. A lease that runs out before the commit, or an abort, releases the reservation
+   (late frames are then refused) and frees the blocks; the stream ends with an error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+
+import kv_transfer
+from kv_transfer import ReservationTable
+from pdserve.config import EngineConfig, NodeConfig
+from pdserve.engine import LLMEngine
+from pdserve.engine_loop import error_output
+from pdserve.messages import (
+    AbortRequest,
+    KVCommit,
+    LandingDescriptor,
+    LogprobsMsg,
+    ReserveRequest,
+    StreamRequest,
+    TokenEvent,
+    frame,
+)
+from pdserve.node import (
+    NodeState,
+    add_common_routes,
+    check_token,
+    error_response,
+    msgpack_response,
+    node_info,
+    read_message,
+)
+from pdserve.outputs import RequestOutput
+from pdserve.request import RequestStatus
+
+logger = logging.getLogger(__name__)
+
+LEASE_EXPIRED = "the prompt's KV did not arrive within its lease"
+MAX_LEASE_S = 600.0
+
+
+class DecodeNode(NodeState):
+    def __init__(self, engine_config: EngineConfig, node: NodeConfig) -> None:
+        super().__init__(engine_config, node, "decode")
+        self.table: ReservationTable | None = None
+        self.receiver = None
+
+    async def start(self) -> None:
+        engine = await self.start_engine(on_idle=self._expire_leases)
+        self.table = ReservationTable(engine.arch.num_layers)
+        transport = kv_transfer.resolve_transport(self.node.kv_transport)
+        self.receiver = kv_transfer.create_receiver(
+            transport, host=self.node.kv_host, port=self.node.kv_port, cluster_token=self.node.cluster_token
+        )
+        self.receiver.register_kv_cache(engine.runner.kv_cache)
+        provisional = node_info(engine, self.node, "decode", transport, "")
+        address = self.receiver.start(provisional, self.table, self._on_commit)
+        self.info = node_info(engine, self.node, "decode", transport, address)
+        self.loop.start()
+        logger.info("decode node %s ready: KV via %s at %s", self.info.node_id, transport, address)
+
+    def stop(self) -> None:
+        if self.receiver is not None:
+            self.receiver.close()
+        if self.loop is not None:
+            self.loop.stop()
+
+    # -- engine thread -------------------------------------------------------------------------
+
+    def _reserve(self, engine: LLMEngine, msg: ReserveRequest, deadline: float) -> list[int] | None:
+        block_ids = engine.reserve_remote(msg.request_id, msg.prompt_token_ids, msg.params.to_params())
+        if block_ids is not None:
+            self.table.add(msg.request_id, block_ids, deadline)
+        return block_ids
+
+    def _on_commit(self, commit: KVCommit) -> None:
+        # Receiver thread: hand over to the engine thread.
+        self.loop.submit(lambda engine: self._landed(engine, commit))
+
+    def _landed(self, engine: LLMEngine, commit: KVCommit) -> None:
+        self.table.release(commit.request_id)
+        logprobs = commit.first_logprobs.to_logprobs() if commit.first_logprobs else None
+        output = engine.remote_kv_landed(
+            commit.request_id, commit.first_token, logprobs, commit.generator_state, commit.num_cached_tokens
+        )
+        if output is not None:
+            self.loop.publish(output)
+
+    def _expire_leases(self) -> None:
+        for request_id in self.table.expired():
+            self._end(self.engine, request_id, RequestStatus.FINISHED_ERROR, LEASE_EXPIRED)
+
+    def _end(self, engine: LLMEngine, request_id: str, status: RequestStatus, message: str) -> None:
+        """Release the reservation first (late frames are refused), then free the blocks."""
+        self.table.release(request_id)
+        known = request_id in engine.scheduler.requests
+        engine.abort_request([request_id], status)
+        if known:
+            logger.info("request %s ended: %s", request_id, message)
+            self.loop.publish(error_output(request_id, message))
+
+
+def _event(out: RequestOutput, sent_tokens: int, sent_text: int, hold: int) -> tuple[TokenEvent, int, int]:
+    """The delta of ``out`` after what was sent; text near a possible stop string is held back."""
+    c = out.outputs[0]
+    visible = len(c.text) if out.finished else max(sent_text, len(c.text) - hold)
+    logprobs = None
+    if c.logprobs is not None:
+        logprobs = [LogprobsMsg.from_logprobs(lp) for lp in c.logprobs[sent_tokens:] if lp is not None]
+    error = c.stop_reason if c.finish_reason == "error" and isinstance(c.stop_reason, str) else ""
+    event = TokenEvent(
+        request_id=out.request_id,
+        token_ids=c.token_ids[sent_tokens:],
+        text=c.text[sent_text:visible],
+        logprobs=logprobs,
+        finish_reason=c.finish_reason,
+        stop_reason=None if error else c.stop_reason,
+        num_prompt_tokens=len(out.prompt_token_ids),
+        num_cached_tokens=out.num_cached_tokens,
+        error=error,
+    )
+    return event, len(c.token_ids), visible
+
+
+def create_app(engine_config: EngineConfig, node: NodeConfig) -> FastAPI:
+    state = DecodeNode(engine_config, node)
+    holdback: dict[str, int] = {}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await state.start()
+        try:
+            yield
+        finally:
+            state.stop()
+
+    app = FastAPI(title="pdserve decode node", lifespan=lifespan)
+    app.state.node = state
+    add_common_routes(app, state)
+
+    @app.post("/internal/reserve")
+    async def reserve(request: Request):
+        check_token(request, node.cluster_token)
+        msg: ReserveRequest = await read_message(request, ReserveRequest)
+        lease = min(max(msg.lease_s, 0.1), MAX_LEASE_S)
+        deadline = time.time() + lease
+        state.loop.subscribe(msg.request_id)
+        try:
+            block_ids = await state.loop.call(lambda e: state._reserve(e, msg, deadline))
+        except ValueError as e:
+            state.loop.unsubscribe(msg.request_id)
+            return error_response(400, str(e))
+        if block_ids is None:
+            state.loop.unsubscribe(msg.request_id)
+            return error_response(503, "decode node has no free KV blocks for this prompt now", "overloaded")
+        bs = state.engine.config.cache.block_size
+        holdback[msg.request_id] = max((len(s) for s in msg.params.stop), default=1) - 1
+        assert len(block_ids) == -(-len(msg.prompt_token_ids) // bs)
+        return msgpack_response(
+            LandingDescriptor(
+                request_id=msg.request_id,
+                node_id=state.info.node_id,
+                kv_address=state.info.kv_address,
+                block_ids=block_ids,
+                num_prompt_tokens=len(msg.prompt_token_ids),
+                lease_deadline=deadline,
+            )
+        )
+
+    @app.post("/internal/stream")
+    async def stream(request: Request):
+        check_token(request, node.cluster_token)
+        msg: StreamRequest = await read_message(request, StreamRequest)
+        rid = msg.request_id
+        if not state.loop.is_subscribed(rid):
+            return error_response(404, f"no reserved request {rid!r} to stream")
+        queue = state.loop.subscribe(rid)
+        hold = holdback.pop(rid, 0)
+
+        async def events():
+            sent_tokens = sent_text = 0
+            finished = False
+            try:
+                while not finished:
+                    out = await queue.get()
+                    event, sent_tokens, sent_text = _event(out, sent_tokens, sent_text, hold)
+                    finished = out.finished
+                    if event.token_ids or event.text or finished:
+                        yield frame(event)
+            finally:
+                if not finished:  # the proxy went away: stop spending work on it
+                    state.loop.unsubscribe(rid)
+                    state.loop.submit(
+                        lambda e: state._end(e, rid, RequestStatus.FINISHED_ABORTED, "client gone")
+                    )
+
+        return StreamingResponse(events(), media_type="application/octet-stream")
+
+    @app.post("/internal/abort")
+    async def abort(request: Request):
+        check_token(request, node.cluster_token)
+        msg: AbortRequest = await read_message(request, AbortRequest)
+        holdback.pop(msg.request_id, None)
+        await state.loop.call(
+            lambda e: state._end(e, msg.request_id, RequestStatus.FINISHED_ABORTED, "aborted")
+        )
+        return msgpack_response(msg)
+
+    return app

@@ -1,0 +1,164 @@
+"""Runs an ``LLMEngine`` on its own thread and bridges it to asyncio servers.
+
+The engine is single-threaded: every call into it (add, reserve, abort, landed KV)
+is queued as a command and run on the engine thread between steps. Outputs of each
+step are handed to per-request ``asyncio.Queue``s on the server's event loop. Torch
+releases the GIL inside its kernels, so the HTTP side stays responsive while a step
+runs.
+
+A step that raises does not wedge the node: every request in the engine ends with
+an error output and the loop goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from pdserve.engine import LLMEngine
+from pdserve.outputs import CompletionOutput, RequestOutput
+from pdserve.request import RequestStatus
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class EngineLoop:
+    IDLE_WAIT_S = 0.02
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        loop: asyncio.AbstractEventLoop,
+        after_step: Callable[[list[RequestOutput]], None] | None = None,
+        on_idle: Callable[[], None] | None = None,
+    ) -> None:
+        self.engine = engine
+        self.loop = loop
+        self.after_step = after_step
+        self.on_idle = on_idle
+        self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
+        self._subscribers: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self.num_steps = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    # -- from the event loop -------------------------------------------------------------------
+
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Run ``fn(engine)`` on the engine thread; its result or exception comes back here."""
+        fut: asyncio.Future = self.loop.create_future()
+
+        def run() -> None:
+            try:
+                result: Any = fn(self.engine)
+            except BaseException as e:  # noqa: BLE001 - handed back to the caller
+                self.loop.call_soon_threadsafe(_set_exception, fut, e)
+            else:
+                self.loop.call_soon_threadsafe(_set_result, fut, result)
+
+        self._commands.put(run)
+        return await fut
+
+    def submit(self, fn: Callable[[LLMEngine], Any]) -> None:
+        """Fire and forget, from any thread."""
+        self._commands.put(lambda: fn(self.engine))
+
+    def subscribe(self, request_id: str) -> asyncio.Queue[RequestOutput]:
+        """The queue that will receive the request's outputs; call before the request can produce any."""
+        q = self._subscribers.get(request_id)
+        if q is None:
+            q = self._subscribers[request_id] = asyncio.Queue()
+        return q
+
+    def is_subscribed(self, request_id: str) -> bool:
+        return request_id in self._subscribers
+
+    def unsubscribe(self, request_id: str) -> None:
+        self._subscribers.pop(request_id, None)
+
+    # -- engine thread -------------------------------------------------------------------------
+
+    def publish(self, output: RequestOutput) -> None:
+        self.loop.call_soon_threadsafe(self._deliver, output)
+
+    def _deliver(self, output: RequestOutput) -> None:
+        q = self._subscribers.get(output.request_id)
+        if q is not None:
+            q.put_nowait(output)
+            if output.finished:
+                self._subscribers.pop(output.request_id, None)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            busy = self.engine.scheduler.has_work()
+            try:
+                cmd = self._commands.get(timeout=0 if busy else self.IDLE_WAIT_S)
+            except queue.Empty:
+                cmd = None
+            while cmd is not None:
+                cmd()
+                try:
+                    cmd = self._commands.get_nowait()
+                except queue.Empty:
+                    cmd = None
+            if self.on_idle is not None:
+                self._guard(self.on_idle)
+            if not self.engine.scheduler.has_work():
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception:
+                logger.exception("engine step failed; ending every request in the engine with an error")
+                self._fail_all("internal error in the engine step")
+                continue
+            self.num_steps += 1
+            for output in outputs:
+                self.publish(output)
+            if self.after_step is not None:
+                self._guard(self.after_step, outputs)
+
+    def _guard(self, fn: Callable[..., None], *args: Any) -> None:
+        try:
+            fn(*args)
+        except Exception:
+            logger.exception("engine loop hook failed")
+
+    def _fail_all(self, message: str) -> None:
+        ids = list(self.engine.scheduler.requests) + list(self.engine.scheduler.held)
+        self.engine.abort_request(ids, RequestStatus.FINISHED_ERROR)
+        for request_id in ids:
+            self.publish(error_output(request_id, message))
+
+
+def error_output(request_id: str, message: str) -> RequestOutput:
+    """A final output that ends a request with an error (``finish_reason='error'``)."""
+    return RequestOutput(
+        request_id=request_id,
+        prompt=None,
+        prompt_token_ids=[],
+        outputs=[CompletionOutput(0, "", [], finish_reason="error", stop_reason=message)],
+        finished=True,
+    )
+
+
+def _set_result(fut: asyncio.Future, value: Any) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)

@@ -1,0 +1,117 @@
+"""What prefill and decode nodes share: engine start-up, node info, the internal HTTP plumbing.
+
+Internal APIs speak msgpack-encoded ``pdserve.messages`` structs; errors come back as
+OpenAI-style JSON bodies with a 4xx/5xx status so the proxy can pass them on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import msgspec
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+
+from pdserve.config import EngineConfig, NodeConfig, dtype_name
+from pdserve.engine import LLMEngine
+from pdserve.engine_loop import EngineLoop
+from pdserve.messages import Message, NodeInfo, NodeLoad, decode, encode
+
+logger = logging.getLogger(__name__)
+
+KV_LAYOUT = "L,NB,2,BS,Hkv,D"
+MSGPACK = "application/msgpack"
+
+
+def node_info(engine: LLMEngine, node: NodeConfig, role: str, transport: str, kv_address: str) -> NodeInfo:
+    arch = engine.arch
+    return NodeInfo(
+        node_id=node.node_id or f"{role}@{node.host}:{node.port}",
+        role=role,
+        model_id=engine.source.model_id,
+        dtype=dtype_name(engine.config.torch_dtype),
+        block_size=engine.config.cache.block_size,
+        num_layers=arch.num_layers,
+        num_kv_heads=arch.num_kv_heads,
+        head_dim=arch.head_dim,
+        kv_layout=KV_LAYOUT,
+        kv_transport=transport,
+        kv_address=kv_address,
+        max_model_len=engine.max_model_len,
+        vocab_size=arch.vocab_size,
+    )
+
+
+def node_load(engine: LLMEngine) -> NodeLoad:
+    s = engine.scheduler
+    return NodeLoad(
+        running=len(s.running),
+        waiting=len(s.waiting),
+        waiting_for_kv=len(s.remote),
+        free_blocks=s.kv.num_free_blocks,
+        total_blocks=s.kv.pool.num_blocks,
+    )
+
+
+def msgpack_response(msg: Message, status_code: int = 200) -> Response:
+    return Response(encode(msg), status_code=status_code, media_type=MSGPACK)
+
+
+def error_response(status_code: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
+    return JSONResponse(
+        {"error": {"message": message, "type": kind, "param": None, "code": status_code}},
+        status_code=status_code,
+    )
+
+
+async def read_message(request: Request, kind: type) -> Message:
+    body = await request.body()
+    try:
+        return decode(body, kind)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise HTTPException(status_code=400, detail=f"malformed {kind.__name__}: {e}") from None
+
+
+def check_token(request: Request, token: str) -> None:
+    if token and request.headers.get("authorization") != f"Bearer {token}":
+        raise HTTPException(status_code=401, detail="missing or wrong cluster token")
+
+
+class NodeState:
+    """Engine, loop and identity of a running node, set up in the app's lifespan."""
+
+    def __init__(self, engine_config: EngineConfig, node: NodeConfig, role: str) -> None:
+        self.engine_config = engine_config
+        self.node = node
+        self.role = role
+        self.engine: LLMEngine | None = None
+        self.loop: EngineLoop | None = None
+        self.info: NodeInfo | None = None
+
+    async def start_engine(self, **loop_hooks) -> LLMEngine:
+        self.engine = await asyncio.to_thread(LLMEngine, self.engine_config)
+        self.loop = EngineLoop(self.engine, asyncio.get_running_loop(), **loop_hooks)
+        return self.engine
+
+
+def add_common_routes(app: FastAPI, state: NodeState) -> None:
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, exc: HTTPException):
+        return error_response(exc.status_code, str(exc.detail))
+
+    @app.get("/health")
+    async def health():
+        if state.loop is None:
+            return error_response(503, "starting", "unavailable")
+        return PlainTextResponse("ok")
+
+    @app.get("/internal/info")
+    async def info(request: Request):
+        check_token(request, state.node.cluster_token)
+        return msgpack_response(state.info)
+
+    @app.get("/internal/load")
+    async def load(request: Request):
+        check_token(request, state.node.cluster_token)
+        return msgpack_response(await state.loop.call(node_load))

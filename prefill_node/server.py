@@ -1,0 +1,219 @@
+"""The prefill node: computes a prompt's KV and first token, pushes the KV into the decode node's blocks.
+
+Per request (``POST /internal/prefill`` carrying the decode node's landing descriptor):
+
+1. Handshake with that decode node's KV receiver once (mismatches are refused then).
+2. The engine runs the prompt like any other — batched, chunked, reusing cached prefix
+   blocks — with ``max_tokens=1`` and ``hold_blocks``: when its first token is sampled
+   the request finishes but keeps its blocks.
+3. Right after that step, on the engine thread, the sender copies the blocks out
+   (nothing can evict them before) and the engine releases them: they stay in the
+   prefix cache for later prompts.
+4. The sender delivers the KV and the commit (first token, its logprobs, the seeded
+   sampler's state, cached-token count) and waits for the decode node's ack; the HTTP
+   reply is that outcome. Closing the HTTP request aborts the prefill.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+from concurrent.futures import Future
+
+from fastapi import FastAPI, Request
+
+import kv_transfer
+from kv_transfer import KVTransferError
+from pdserve.config import EngineConfig, NodeConfig
+from pdserve.engine import LLMEngine
+from pdserve.messages import (
+    AbortRequest,
+    KVCommit,
+    LandingDescriptor,
+    LogprobsMsg,
+    PrefillRequest,
+    PrefillResult,
+)
+from pdserve.node import NodeState, add_common_routes, check_token, msgpack_response, node_info, read_message
+from pdserve.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+
+class PrefillNode(NodeState):
+    def __init__(self, engine_config: EngineConfig, node: NodeConfig) -> None:
+        super().__init__(engine_config, node, "prefill")
+        self.sender = None
+        self._landing: dict[str, LandingDescriptor] = {}  # engine thread only
+        self._handshakes: dict[str, asyncio.Future] = {}
+        self._transfers: dict[str, asyncio.Future] = {}  # event-loop only
+
+    async def start(self) -> None:
+        engine = await self.start_engine(after_step=self._after_step)
+        transport = kv_transfer.resolve_transport(self.node.kv_transport)
+        self.sender = kv_transfer.create_sender(transport, cluster_token=self.node.cluster_token)
+        self.sender.register_kv_cache(engine.runner.kv_cache)
+        self.info = node_info(engine, self.node, "prefill", transport, "")
+        self.loop.start()
+        logger.info("prefill node %s ready: KV via %s", self.info.node_id, transport)
+
+    def stop(self) -> None:
+        if self.loop is not None:
+            self.loop.stop()
+        if self.sender is not None:
+            self.sender.close()
+
+    async def handshake(self, address: str) -> None:
+        """Once per decode node; a refusal is remembered and repeated for every request."""
+        fut = self._handshakes.get(address)
+        if fut is None or (
+            fut.done() and fut.exception() is not None and "refused" not in str(fut.exception())
+        ):
+            fut = asyncio.ensure_future(
+                asyncio.to_thread(self.sender.handshake, address, self.info, self.node.kv_transfer_timeout_s)
+            )
+            self._handshakes[address] = fut
+        await asyncio.shield(fut)
+
+    # -- engine thread -------------------------------------------------------------------------
+
+    def _add(self, engine: LLMEngine, msg: PrefillRequest) -> None:
+        params = msg.params.to_params()
+        # Only the first token is sampled here; stop strings are the decode node's concern.
+        params = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1), stop=())
+        engine.add_request(
+            msg.request_id, None, params, prompt_token_ids=msg.prompt_token_ids, hold_blocks=True
+        )
+        self._landing[msg.request_id] = msg.landing
+
+    def _after_step(self, outputs: list[RequestOutput]) -> None:
+        engine = self.engine
+        for out in outputs:
+            if not out.finished:
+                continue
+            landing = self._landing.pop(out.request_id, None)
+            src = engine.held_block_ids(out.request_id)
+            if landing is None or src is None:
+                continue
+            completion = out.outputs[0]
+            logprobs = completion.logprobs[0] if completion.logprobs else None
+            commit = KVCommit(
+                request_id=out.request_id,
+                first_token=completion.token_ids[0],
+                first_logprobs=LogprobsMsg.from_logprobs(logprobs) if logprobs else None,
+                generator_state=engine.generator_state(out.request_id),
+                num_cached_tokens=out.num_cached_tokens,
+            )
+            try:
+                fut = self.sender.send(
+                    landing.kv_address,
+                    self.info,
+                    src,
+                    landing.block_ids,
+                    commit,
+                    self.node.kv_transfer_timeout_s,
+                )
+            except Exception as e:
+                fut = Future()
+                fut.set_exception(e)
+            finally:
+                engine.release_held(out.request_id)  # the sender copied the blocks out
+            fut.add_done_callback(lambda f, rid=out.request_id: self._transfer_done(rid, f))
+
+    def _transfer_done(self, request_id: str, fut: Future) -> None:
+        self.loop.loop.call_soon_threadsafe(self._resolve, request_id, fut)
+
+    def _resolve(self, request_id: str, fut: Future) -> None:
+        waiter = self._transfers.pop(request_id, None)
+        if waiter is not None and not waiter.done():
+            exc = fut.exception()
+            if exc is not None:
+                waiter.set_exception(exc)
+            else:
+                waiter.set_result(fut.result())
+
+    def _abort(self, engine: LLMEngine, request_id: str) -> None:
+        self._landing.pop(request_id, None)
+        engine.abort_request([request_id])
+
+
+def _validate(msg: PrefillRequest, block_size: int) -> str:
+    landing = msg.landing
+    if landing.request_id != msg.request_id:
+        return "landing descriptor belongs to another request"
+    if landing.num_prompt_tokens != len(msg.prompt_token_ids):
+        n = len(msg.prompt_token_ids)
+        return f"landing descriptor is for {landing.num_prompt_tokens} tokens, the prompt has {n}"
+    if len(landing.block_ids) != -(-len(msg.prompt_token_ids) // block_size):
+        return (
+            f"landing descriptor has {len(landing.block_ids)} blocks for {len(msg.prompt_token_ids)} tokens"
+        )
+    return ""
+
+
+def create_app(engine_config: EngineConfig, node: NodeConfig) -> FastAPI:
+    state = PrefillNode(engine_config, node)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await state.start()
+        try:
+            yield
+        finally:
+            state.stop()
+
+    app = FastAPI(title="pdserve prefill node", lifespan=lifespan)
+    app.state.node = state
+    add_common_routes(app, state)
+
+    def fail(msg: PrefillRequest, error: str) -> PrefillResult:
+        logger.warning("prefill of %s failed: %s", msg.request_id, error)
+        return PrefillResult(request_id=msg.request_id, ok=False, error=error)
+
+    @app.post("/internal/prefill")
+    async def prefill(request: Request):
+        check_token(request, node.cluster_token)
+        msg: PrefillRequest = await read_message(request, PrefillRequest)
+        error = _validate(msg, state.engine.config.cache.block_size)
+        if error:
+            return msgpack_response(fail(msg, error), 400)
+        try:
+            await state.handshake(msg.landing.kv_address)
+        except KVTransferError as e:
+            return msgpack_response(fail(msg, str(e)), 502)
+        rid = msg.request_id
+        outputs = state.loop.subscribe(rid)
+        transfer = state._transfers[rid] = asyncio.get_running_loop().create_future()
+        try:
+            await state.loop.call(lambda e: state._add(e, msg))
+        except ValueError as e:
+            state.loop.unsubscribe(rid)
+            state._transfers.pop(rid, None)
+            return msgpack_response(fail(msg, str(e)), 400)
+        try:
+            out = await outputs.get()
+            if out.outputs[0].finish_reason == "error":
+                return msgpack_response(fail(msg, str(out.outputs[0].stop_reason)), 500)
+            await transfer
+        except KVTransferError as e:
+            return msgpack_response(fail(msg, str(e)), 502)
+        except asyncio.CancelledError:  # the proxy hung up
+            state.loop.unsubscribe(rid)
+            state._transfers.pop(rid, None)
+            state.loop.submit(lambda e: state._abort(e, rid))
+            raise
+        return msgpack_response(
+            PrefillResult(request_id=rid, ok=True, num_cached_tokens=out.num_cached_tokens)
+        )
+
+    @app.post("/internal/abort")
+    async def abort(request: Request):
+        check_token(request, node.cluster_token)
+        msg: AbortRequest = await read_message(request, AbortRequest)
+        state.loop.unsubscribe(msg.request_id)
+        await state.loop.call(lambda e: state._abort(e, msg.request_id))
+        return msgpack_response(msg)
+
+    return app
