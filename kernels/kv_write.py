@@ -7,6 +7,9 @@ KV layout (one tensor per layer)::
 A slot is ``block_id * block_size + offset``; a negative slot marks a padding token
 whose KV is dropped. One layer's block — keys and values together — is one
 contiguous region, which is what the KV transports move.
+
+``write_kv_ref`` is the plain-torch version the CPU engine runs; ``write_kv`` is its Triton
+twin for CUDA (one program per token, see below).
 """
 
 from __future__ import annotations

@@ -10,12 +10,19 @@ reads KV head ``h // (Hq // Hkv)``.
 
 The reference gathers each request's blocks into a contiguous tensor (it moves the
 whole context once per call) and calls SDPA; decode rows are batched together.
+``paged_attention`` is its Triton twin: it reads K/V in place through the block table,
+with a flash-attention kernel for prefill/mixed batches and a split-K (flash-decoding)
+kernel for pure decode batches; see the comment above the kernels.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 
 def gather_kv_ref(
@@ -82,3 +89,523 @@ def paged_attention_ref(
         )
         out[starts[b] : starts[b + 1]] = o[0].transpose(0, 1)
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton kernels
+#
+# Both kernels read K/V straight out of the paged cache: a tile of TILE_N consecutive context
+# positions looks up its physical blocks in the block table (TILE_N / BS entries, cached) and
+# loads one [TILE_N, D] slab of keys and one of values, D contiguous elements per position. Only
+# the query tile, the running max/sum and the fp32 output accumulator stay on chip; scores and
+# probabilities never reach memory (flash attention, online softmax in base 2).
+#
+# GQA packing: the GROUP = Hq // Hkv query heads that share a KV head are processed by the same
+# program as extra rows of the query tile (row r = query (r // GROUP_PAD), head (r % GROUP_PAD)),
+# so each K/V tile is loaded once per KV head instead of once per query head.
+#
+# Prefill / mixed kernel: program (q_block, kv_head) takes BLOCK_Q consecutive new tokens of one
+# request. Tiles wholly below the diagonal run without a mask; the rest mask bottom-right causal.
+# Compute-bound for long prompts: 4 * L * S * D * Hq flops (halved by causality) against
+# S * Hkv * D * 2 * itemsize bytes of K/V per query block.
+#
+# Decode kernel (every request has exactly one new token): the work per request is one
+# [GROUP, D] x [D, S] product, memory-bound on reading S * Hkv * D * 2 * itemsize bytes of K/V.
+# With few requests there are too few (request, kv_head) programs to fill the GPU, so the
+# context is split into partitions handled by parallel programs (flash-decoding); each writes
+# its normalised partial output and (max, sum), and a reduce kernel combines the partitions:
+# out = sum_p(l_p * 2^(m_p - M) * o_p) / sum_p(l_p * 2^(m_p - M)),  M = max_p m_p.
+# ---------------------------------------------------------------------------------------------
+
+LOG2E = 1.4426950408889634
+MIN_DOT = 16
+"""tl.dot needs at least 16 rows on NVIDIA GPUs: decode pads its GROUP query heads up to this."""
+DECODE_TILE_N = 64
+DECODE_MIN_PARTITION = 128
+"""Context positions one split-K program reads at least (2 tiles): shorter ones cost more than they gain."""
+DECODE_MAX_SPLITS = 128
+DECODE_PROGRAMS_PER_SM = 4
+SMEM_BUDGET = 160 * 1024
+"""Bytes of shared memory the software pipeline of the prefill kernel may fill (H100/H200: 227 KiB)."""
+
+
+@triton.jit
+def _find_request(query_start_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
+    """The request owning query block ``q_block``: the last b with start[b] // BLOCK_Q + b <= q_block."""
+    lo: tl.int32 = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first_block = tl.load(query_start_ptr + mid) // BLOCK_Q + mid
+        if first_block <= q_block:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _attend_tiles(
+    acc,  # [BLOCK_M, BLOCK_D] fp32
+    l_i,  # [BLOCK_M] fp32
+    m_i,  # [BLOCK_M] fp32, base-2 log domain
+    q,  # [BLOCK_M, BLOCK_D]
+    pos_q,  # [BLOCK_M] context position of each row
+    k_base,  # cache + kv_head offset, K half
+    v_base,  # cache + kv_head offset, V half
+    table_ptr,  # this request's row of the block table
+    kv_len,  # positions >= kv_len are masked (MASK_CAUSAL or MASK_LEN only)
+    tile_lo,
+    tile_hi,
+    qk_scale,  # scale * log2(e)
+    stride_cache_block,
+    stride_cache_pos,
+    offs_d,  # [BLOCK_D]
+    d_ok,  # [BLOCK_D]
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    MASK_CAUSAL: tl.constexpr,
+    MASK_LEN: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Online-softmax attention of the query tile over context tiles [tile_lo, tile_hi)."""
+    offs_n = tl.arange(0, TILE_N)
+    for j in range(tile_lo, tile_hi):
+        pos_k = j * TILE_N + offs_n  # [TILE_N]
+        if MASK_LEN:
+            k_ok = pos_k < kv_len
+            block = tl.load(table_ptr + pos_k // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+            kv_mask = k_ok[:, None] & d_ok[None, :]
+        else:
+            block = tl.load(table_ptr + pos_k // BLOCK_SIZE).to(tl.int64)
+            kv_mask = d_ok[None, :]
+        kv_off = block * stride_cache_block + (pos_k % BLOCK_SIZE) * stride_cache_pos  # [TILE_N]
+        # K tile: TILE_N positions x D contiguous elements, read once per KV head and shared by
+        # every query row (all GROUP heads) of the program.
+        k = tl.load(k_base + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [TILE_N, BLOCK_D]
+        qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N]
+        if MASK_CAUSAL:
+            visible = pos_k[None, :] <= pos_q[:, None]
+            if MASK_LEN:
+                visible = visible & k_ok[None, :]
+            qk = tl.where(visible, qk, float("-inf"))
+        elif MASK_LEN:
+            qk = tl.where(k_ok[None, :], qk, float("-inf"))
+        # Every row sees context position 0 in the first tile it meets, so m_new is finite and
+        # fully masked rows of later tiles just add exp2(-inf) = 0.
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])  # [BLOCK_M, TILE_N]
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [TILE_N, BLOCK_D]
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,  # [T, Hq, D]
+    cache_ptr,  # [NB, 2, BS, Hkv, D] contiguous
+    block_tables_ptr,  # [B, max_blocks] int32
+    seq_lens_ptr,  # [B] int32
+    query_start_ptr,  # [B + 1] int32
+    out_ptr,  # [T, Hq, D]
+    qk_scale,
+    num_seqs,
+    stride_q_t,
+    stride_q_h,
+    stride_out_t,
+    stride_out_h,
+    stride_cache_block,
+    stride_cache_kv,
+    stride_cache_pos,
+    stride_cache_head,
+    stride_table,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # BLOCK_Q * GROUP_PAD rows
+    TILE_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    q_block = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = _find_request(query_start_ptr, q_block, num_seqs, BLOCK_Q)
+    q_start = tl.load(query_start_ptr + seq)
+    q_len = tl.load(query_start_ptr + seq + 1) - q_start
+    q_tile = q_block - (q_start // BLOCK_Q + seq)  # which BLOCK_Q new tokens of this request
+    if q_tile * BLOCK_Q >= q_len:  # grid slack: requests get cdiv(L_b, BLOCK_Q) <= the blocks they own
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    ctx_start = seq_len - q_len  # position of the first new token
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    q_idx = q_tile * BLOCK_Q + offs_m // GROUP_PAD  # [BLOCK_M] new-token index within the request
+    head = kv_head * GROUP + offs_m % GROUP_PAD  # [BLOCK_M] query head
+    row_ok = (q_idx < q_len) & (offs_m % GROUP_PAD < GROUP)
+    # Padding rows (past the request's last token) act as its last token: never fully masked.
+    pos_q = ctx_start + tl.minimum(q_idx, q_len - 1)
+    q_row = (q_start + q_idx).to(tl.int64)
+    io_mask = row_ok[:, None] & d_ok[None, :]
+    q = tl.load(
+        q_ptr + q_row[:, None] * stride_q_t + head[:, None] * stride_q_h + offs_d[None, :],
+        mask=io_mask,
+        other=0.0,
+    )  # [BLOCK_M, BLOCK_D], on chip for the whole loop
+
+    k_base = cache_ptr + kv_head * stride_cache_head
+    v_base = k_base + stride_cache_kv
+    table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_table
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    # Tiles ending at or before the tile's first query position are visible to every row.
+    first_pos = ctx_start + q_tile * BLOCK_Q
+    last_pos = ctx_start + tl.minimum(q_tile * BLOCK_Q + BLOCK_Q, q_len) - 1
+    num_full = (first_pos + 1) // TILE_N
+    num_tiles = tl.cdiv(last_pos + 1, TILE_N)
+    acc, l_i, m_i = _attend_tiles(
+        acc, l_i, m_i, q, pos_q, k_base, v_base, table_ptr, seq_len, 0, num_full, qk_scale,
+        stride_cache_block, stride_cache_pos, offs_d, d_ok,
+        BLOCK_SIZE, TILE_N, False, False, DOT_PRECISION,
+    )  # fmt: skip
+    acc, l_i, m_i = _attend_tiles(
+        acc, l_i, m_i, q, pos_q, k_base, v_base, table_ptr, seq_len, num_full, num_tiles, qk_scale,
+        stride_cache_block, stride_cache_pos, offs_d, d_ok,
+        BLOCK_SIZE, TILE_N, True, True, DOT_PRECISION,
+    )  # fmt: skip
+    out = acc / l_i[:, None]
+    tl.store(
+        out_ptr + q_row[:, None] * stride_out_t + head[:, None] * stride_out_h + offs_d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=io_mask,
+    )
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr,  # [T, Hq, D]
+    cache_ptr,  # [NB, 2, BS, Hkv, D] contiguous
+    block_tables_ptr,  # [B, max_blocks] int32
+    seq_lens_ptr,  # [B] int32
+    query_start_ptr,  # [B + 1] int32
+    out_ptr,  # [T, Hq, D]; written only when NUM_SPLITS == 1
+    part_out_ptr,  # [B, Hq, NUM_SPLITS, D] fp32: normalised partial outputs
+    part_ml_ptr,  # [B, Hq, NUM_SPLITS, 2] fp32: (max, sum) of each partition, base 2
+    qk_scale,
+    stride_q_t,
+    stride_q_h,
+    stride_out_t,
+    stride_out_h,
+    stride_cache_block,
+    stride_cache_kv,
+    stride_cache_pos,
+    stride_cache_head,
+    stride_table,
+    GROUP: tl.constexpr,
+    BLOCK_H: tl.constexpr,  # max(MIN_DOT, next_pow2(GROUP)) rows, the rows past GROUP are padding
+    TILE_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    PARTITION: tl.constexpr,  # context positions per split, a multiple of TILE_N
+    NUM_SPLITS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    q_start = tl.load(query_start_ptr + seq)
+    if tl.load(query_start_ptr + seq + 1) == q_start:  # request without a new token this step
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    ctx_lo = split * PARTITION
+    if ctx_lo >= seq_len:  # this request's context is shorter than the split count covers
+        return
+    ctx_hi = tl.minimum(ctx_lo + PARTITION, seq_len)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    head = kv_head * GROUP + offs_h  # [BLOCK_H]
+    io_mask = (offs_h < GROUP)[:, None] & d_ok[None, :]
+    q_row = q_start.to(tl.int64)
+    q = tl.load(
+        q_ptr + q_row * stride_q_t + head[:, None] * stride_q_h + offs_d[None, :], mask=io_mask, other=0.0
+    )  # [BLOCK_H, BLOCK_D]
+    # The one new token sits at seq_len - 1 and sees the whole context: no causal mask, only
+    # the partition's end (which is seq_len in the last partition).
+    pos_q = tl.full([BLOCK_H], 0, tl.int32) + seq_len - 1
+    k_base = cache_ptr + kv_head * stride_cache_head
+    v_base = k_base + stride_cache_kv
+    table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_table
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    acc, l_i, m_i = _attend_tiles(
+        acc, l_i, m_i, q, pos_q, k_base, v_base, table_ptr, ctx_hi,
+        ctx_lo // TILE_N, tl.cdiv(ctx_hi, TILE_N), qk_scale,
+        stride_cache_block, stride_cache_pos, offs_d, d_ok,
+        BLOCK_SIZE, TILE_N, False, True, DOT_PRECISION,
+    )  # fmt: skip
+    out = acc / l_i[:, None]
+    if NUM_SPLITS == 1:
+        tl.store(
+            out_ptr + q_row * stride_out_t + head[:, None] * stride_out_h + offs_d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=io_mask,
+        )
+    else:
+        # Partials: [B, Hq, NUM_SPLITS, D] and [B, Hq, NUM_SPLITS, 2], contiguous.
+        part = (seq.to(tl.int64) * (GROUP * tl.num_programs(1)) + head) * NUM_SPLITS + split  # [BLOCK_H]
+        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], out, mask=io_mask)
+        h_ok = offs_h < GROUP
+        tl.store(part_ml_ptr + part * 2, m_i, mask=h_ok)
+        tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=h_ok)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_out_ptr,  # [B, Hq, NUM_SPLITS, D] fp32
+    part_ml_ptr,  # [B, Hq, NUM_SPLITS, 2] fp32
+    seq_lens_ptr,
+    query_start_ptr,
+    out_ptr,  # [T, Hq, D]
+    stride_out_t,
+    stride_out_h,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PARTITION: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
+    """Combine one (request, query head)'s partitions: reads NUM_SPLITS * (D + 2) fp32, writes D."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    q_start = tl.load(query_start_ptr + seq)
+    if tl.load(query_start_ptr + seq + 1) == q_start:
+        return
+    num_parts = tl.cdiv(tl.load(seq_lens_ptr + seq), PARTITION)  # partitions that were written
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_ok = offs_s < num_parts
+    part = (seq.to(tl.int64) * tl.num_programs(1) + head) * NUM_SPLITS + offs_s  # [SPLITS_PAD]
+    m_part = tl.load(part_ml_ptr + part * 2, mask=s_ok, other=float("-inf"))  # [SPLITS_PAD]
+    l_part = tl.load(part_ml_ptr + part * 2 + 1, mask=s_ok, other=0.0)  # [SPLITS_PAD]
+    weight = tl.where(s_ok, l_part * tl.exp2(m_part - tl.max(m_part, 0)), 0.0)  # [SPLITS_PAD]
+    o = tl.load(
+        part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
+        mask=s_ok[:, None] & (offs_d < HEAD_DIM)[None, :],
+        other=0.0,
+    )  # [SPLITS_PAD, BLOCK_D]
+    out = tl.sum(o * weight[:, None], 0) / tl.sum(weight, 0)
+    tl.store(
+        out_ptr + q_start.to(tl.int64) * stride_out_t + head * stride_out_h + offs_d,
+        out.to(out_ptr.dtype.element_ty),
+        mask=offs_d < HEAD_DIM,
+    )
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs get true fp32 products, like the reference; 16-bit inputs ignore the setting.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the interpreter: keep grids small
+
+
+def _pipeline_stages(bytes_per_stage: int, bytes_fixed: int) -> int:
+    """Software-pipeline depth whose K/V buffers fit the shared-memory budget (1 to 3)."""
+    return max(1, min(3, (SMEM_BUDGET - bytes_fixed) // bytes_per_stage))
+
+
+def _check_attention_args(q, kv_cache, block_tables, seq_lens, query_start_loc, out):
+    num_tokens, num_heads, head_dim = q.shape
+    assert kv_cache.dim() == 5 and kv_cache.shape[1] == 2, kv_cache.shape
+    _, _, block_size, num_kv_heads, cache_dim = kv_cache.shape
+    assert cache_dim == head_dim, (kv_cache.shape, q.shape)
+    assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
+    assert block_size & (block_size - 1) == 0, f"block size {block_size} is not a power of two"
+    assert kv_cache.is_contiguous(), "a layer's cache must be one contiguous [NB, 2, BS, Hkv, D] region"
+    assert q.stride(2) == 1, f"q's head_dim must be contiguous: {q.stride()}"
+    num_seqs = seq_lens.shape[0]
+    assert block_tables.dim() == 2 and block_tables.shape[0] == num_seqs, (block_tables.shape, num_seqs)
+    assert block_tables.dtype == torch.int32 and block_tables.stride(1) == 1, (
+        block_tables.dtype,
+        block_tables.stride(),
+    )
+    assert seq_lens.dtype == torch.int32 and seq_lens.dim() == 1 and seq_lens.is_contiguous()
+    assert query_start_loc.dtype == torch.int32 and query_start_loc.shape == (num_seqs + 1,), (
+        query_start_loc.dtype,
+        query_start_loc.shape,
+    )
+    assert query_start_loc.is_contiguous()
+    tensors = (q, kv_cache, block_tables, seq_lens, query_start_loc)
+    assert all(t.device == q.device for t in tensors), [t.device for t in tensors]
+    if out is not None:
+        assert out.shape == q.shape and out.dtype == q.dtype and out.device == q.device, (out.shape, q.shape)
+        assert out.stride(2) == 1, f"out's head_dim must be contiguous: {out.stride()}"
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, Hq, D]
+    kv_cache: torch.Tensor,  # [NB, 2, BS, Hkv, D]
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    seq_lens: torch.Tensor,  # [B] int32: context length of each request after this step
+    query_start_loc: torch.Tensor,  # [B + 1] int32: request b's new tokens are rows [start[b], start[b+1])
+    scale: float,
+    max_query_len: int,
+    max_seq_len: int,
+    out: torch.Tensor | None = None,  # [T, Hq, D], q's dtype
+    *,
+    num_splits: int | None = None,
+) -> torch.Tensor:  # [T, Hq, D]
+    """Triton twin of :func:`paged_attention_ref`, with the batch described by device tensors.
+
+    ``max_query_len`` and ``max_seq_len`` are host ints (the scheduler knows them) so that
+    choosing kernels and grids needs no device sync. ``max_query_len == 1`` runs the split-K
+    decode kernel (``num_splits`` context partitions per request; None picks from the batch
+    shape and the SM count), anything else runs the prefill kernel. The caller guarantees what
+    the reference asserts: ``query_start_loc[B] == T``, ``L_b <= seq_lens[b] <= max_seq_len``,
+    block tables cover each context.
+    """
+    _check_attention_args(q, kv_cache, block_tables, seq_lens, query_start_loc, out)
+    if out is None:
+        out = torch.empty_like(q)
+    if q.shape[0] == 0 or seq_lens.shape[0] == 0:
+        return out
+    assert 1 <= max_query_len <= max_seq_len, (max_query_len, max_seq_len)
+    if max_query_len == 1:
+        _launch_decode(
+            q, kv_cache, block_tables, seq_lens, query_start_loc, scale, max_seq_len, out, num_splits
+        )
+    else:
+        _launch_prefill(q, kv_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len, out)
+    return out
+
+
+def prefill_config(
+    num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype, max_query_len: int
+) -> dict:
+    """Constexprs and launch options of ``_prefill_kernel`` (pure: tests compile exactly these)."""
+    group = num_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    block_d = max(MIN_DOT, triton.next_power_of_2(head_dim))
+    # 128 query rows (tokens x heads of a group) per program for long prompts; fewer when every
+    # request is short, but at least MIN_DOT rows for tl.dot.
+    rows = 128 if block_d <= 128 else 64
+    block_q = max(1, min(rows // group_pad, triton.next_power_of_2(max_query_len)))
+    block_q = max(block_q, triton.cdiv(MIN_DOT, group_pad))
+    block_m = block_q * group_pad
+    tile_n = 64 if block_d <= 128 else 32
+    itemsize = dtype.itemsize
+    return dict(
+        GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, DOT_PRECISION=_dot_precision(dtype),
+        num_warps=8 if block_m >= 128 else 4,
+        num_stages=_pipeline_stages(2 * tile_n * block_d * itemsize, block_m * block_d * itemsize),
+    )  # fmt: skip
+
+
+def decode_config(
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    num_splits: int,
+    partition: int,
+) -> dict:
+    """Constexprs and launch options of ``_decode_kernel``."""
+    group = num_heads // num_kv_heads
+    block_h = max(MIN_DOT, triton.next_power_of_2(group))
+    block_d = max(MIN_DOT, triton.next_power_of_2(head_dim))
+    itemsize = dtype.itemsize
+    return dict(
+        GROUP=group, BLOCK_H=block_h, TILE_N=DECODE_TILE_N, HEAD_DIM=head_dim, BLOCK_D=block_d,
+        BLOCK_SIZE=block_size, PARTITION=partition, NUM_SPLITS=num_splits,
+        DOT_PRECISION=_dot_precision(dtype), num_warps=4,
+        num_stages=_pipeline_stages(2 * DECODE_TILE_N * block_d * itemsize, block_h * block_d * itemsize),
+    )  # fmt: skip
+
+
+def reduce_config(head_dim: int, num_splits: int, partition: int) -> dict:
+    """Constexprs and launch options of ``_decode_reduce_kernel``."""
+    return dict(
+        HEAD_DIM=head_dim, BLOCK_D=max(MIN_DOT, triton.next_power_of_2(head_dim)), PARTITION=partition,
+        NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4,
+    )  # fmt: skip
+
+
+def _launch_prefill(q, kv_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len, out):
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
+    num_seqs = seq_lens.shape[0]
+    config = prefill_config(num_heads, num_kv_heads, head_dim, block_size, q.dtype, max_query_len)
+    # Request b owns query blocks start[b] // BLOCK_Q + b .. + cdiv(L_b, BLOCK_Q) - 1.
+    grid = (num_tokens // config["BLOCK_Q"] + num_seqs, num_kv_heads)
+    _prefill_kernel[grid](
+        q, kv_cache, block_tables, seq_lens, query_start_loc, out,
+        scale * LOG2E, num_seqs,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        block_tables.stride(0),
+        **config,
+    )  # fmt: skip
+
+
+def decode_partition(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> tuple[int, int]:
+    """(num_splits, partition) for split-K decode: enough programs for ``DECODE_PROGRAMS_PER_SM``
+    per SM, each reading at least ``DECODE_MIN_PARTITION`` positions; partition is a multiple of
+    the tile."""
+    programs = num_seqs * num_kv_heads
+    want = triton.cdiv(DECODE_PROGRAMS_PER_SM * num_sms, programs)
+    most = triton.cdiv(max_seq_len, DECODE_MIN_PARTITION)
+    return _partition(max(1, min(want, most, DECODE_MAX_SPLITS)), max_seq_len)
+
+
+def _partition(num_splits: int, max_seq_len: int) -> tuple[int, int]:
+    partition = triton.cdiv(triton.cdiv(max_seq_len, num_splits), DECODE_TILE_N) * DECODE_TILE_N
+    return triton.cdiv(max_seq_len, partition), partition
+
+
+def _launch_decode(q, kv_cache, block_tables, seq_lens, query_start_loc, scale, max_seq_len, out, num_splits):
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
+    num_seqs = seq_lens.shape[0]
+    if num_splits is None:
+        num_splits, partition = decode_partition(num_seqs, num_kv_heads, max_seq_len, _num_sms(q.device))
+    else:
+        assert num_splits >= 1, num_splits
+        num_splits, partition = _partition(num_splits, max_seq_len)
+    if num_splits > 1:
+        f32 = dict(dtype=torch.float32, device=q.device)
+        part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, **f32)  # [B, Hq, splits, D]
+        part_ml = torch.empty(num_seqs, num_heads, num_splits, 2, **f32)  # [B, Hq, splits, (max, sum)]
+    else:  # the decode kernel writes `out` directly; the partial pointers are unused
+        part_out = part_ml = out
+    config = decode_config(num_heads, num_kv_heads, head_dim, block_size, q.dtype, num_splits, partition)
+    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, kv_cache, block_tables, seq_lens, query_start_loc, out, part_out, part_ml,
+        scale * LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        block_tables.stride(0),
+        **config,
+    )  # fmt: skip
+    if num_splits > 1:
+        _decode_reduce_kernel[(num_seqs, num_heads)](
+            part_out, part_ml, seq_lens, query_start_loc, out, out.stride(0), out.stride(1),
+            **reduce_config(head_dim, num_splits, partition),
+        )  # fmt: skip

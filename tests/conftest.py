@@ -8,6 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
+if not torch.cuda.is_available():
+    # Triton decides interpreter or compiler when a kernel is defined: set it before any import.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # Two cores are shared between test processes; one intra-op thread avoids oversubscription.
 torch.set_num_threads(int(os.environ.get("PDSERVE_TEST_THREADS", "2")))
 
