@@ -75,6 +75,10 @@ class DecodeNode(NodeState):
         self.loop.start()
         logger.info("decode node %s ready: KV via %s at %s", self.info.node_id, transport, address)
 
+    @property
+    def transfer_bytes(self) -> int:
+        return self.receiver.bytes_received if self.receiver is not None else 0
+
     def stop(self) -> None:
         if self.receiver is not None:
             self.receiver.close()

@@ -38,10 +38,12 @@ def _field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-def _scalar_type(annotation: str) -> type:
-    hint = eval(annotation, vars(config_module))  # annotations are strings (PEP 563)
+def _scalar_type(cls: type, annotation: str) -> type:
+    hint = eval(annotation, vars(sys.modules[cls.__module__]))  # annotations are strings (PEP 563)
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
         hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    if typing.get_origin(hint) is tuple:
+        return str  # comma-separated on the command line; the dataclass splits it
     return hint
 
 
@@ -56,14 +58,15 @@ def add_config_args(parser: argparse.ArgumentParser, classes) -> None:
         docs = _field_docs(cls)
         for f in dataclasses.fields(cls):
             flag = "--" + f.name.replace("_", "-")
-            kind = _scalar_type(f.type)
-            help_text = f"{docs.get(f.name, '')} (default: {f.default})"
+            kind = _scalar_type(cls, f.type)
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            help_text = f"{docs.get(f.name, '')} (default: {default})"
             if kind is bool:
                 group.add_argument(
-                    flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text
+                    flag, action=argparse.BooleanOptionalAction, default=default, help=help_text
                 )
             else:
-                group.add_argument(flag, type=kind, default=f.default, help=help_text)
+                group.add_argument(flag, type=kind, default=default, help=help_text)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -117,6 +120,42 @@ def _cmd_generate(args: argparse.Namespace) -> None:
         )
 
 
+def _cmd_proxy(args: argparse.Namespace) -> None:
+    from proxy.config import ProxyConfig
+    from proxy.server import serve
+
+    config = config_from_args(ProxyConfig, args)
+    print(f"pdserve proxy: http://{config.host}:{config.port}/v1", file=sys.stderr, flush=True)
+    try:
+        serve(config, log_level="warning")
+    except Exception as e:  # a refused cluster (incompatible nodes) or nodes that never answered
+        sys.exit(f"pdserve proxy: {e}")
+
+
+def _engine_flags(args: argparse.Namespace) -> list[str]:
+    """The engine flags of ``args`` that differ from their defaults, as command-line words."""
+    flags = []
+    for cls in ENGINE_CONFIGS:
+        for f in dataclasses.fields(cls):
+            value = getattr(args, f.name)
+            if value == f.default or f.name == "num_threads":
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            if isinstance(value, bool):
+                flags.append(flag if value else "--no-" + flag[2:])
+            else:
+                flags += [flag, str(value)]
+    return flags
+
+
+def _cmd_up(args: argparse.Namespace) -> None:
+    from pdserve.cluster import ClusterConfig, run
+    from pdserve.config import ModelConfig
+
+    cfg = config_from_args(ClusterConfig, args)
+    sys.exit(run(cfg, _engine_flags(args), config_from_args(ModelConfig, args)))
+
+
 def _cmd_bench_offline(args: argparse.Namespace) -> None:
     from pdserve.benchmarks import offline
 
@@ -150,6 +189,18 @@ def build_parser() -> argparse.ArgumentParser:
         add_config_args(node, (config_module.NodeConfig,))
         add_engine_args(node)
         node.set_defaults(func=_cmd_node)
+
+    from pdserve.cluster import ClusterConfig
+    from proxy.config import ProxyConfig
+
+    proxy = sub.add_parser("proxy", help="run the OpenAI-compatible proxy in front of running nodes")
+    add_config_args(proxy, (ProxyConfig,))
+    proxy.set_defaults(func=_cmd_proxy)
+
+    up = sub.add_parser("up", help="start a local cluster: prefill and decode nodes plus the proxy")
+    add_config_args(up, (ClusterConfig,))
+    add_engine_args(up)
+    up.set_defaults(func=_cmd_up)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)

@@ -75,6 +75,8 @@ class LLMEngine:
         self.sampler = Sampler(self.eos_token_ids, seed=config.model.seed, device=config.torch_device)
         self._states: dict[str, _RequestState] = {}
         self._next_id = 0
+        self.num_prompt_tokens_computed = 0
+        """Prompt tokens this engine ran through the model (prefix-cache hits and remote KV excluded)."""
         logger.info(
             "engine ready in %.1f s: %s (%s) on %s, %d KV blocks x %d tokens (%.2f GiB)",
             time.monotonic() - start,
@@ -218,6 +220,9 @@ class LLMEngine:
         if out.is_empty:
             return []
         logits = self.runner.execute(out)
+        for s in out.scheduled:
+            prompt_end = min(s.start + s.num_tokens, s.request.num_prompt_tokens)
+            self.num_prompt_tokens_computed += max(0, prompt_end - s.start)
         rows = []
         for s in out.scheduled:
             if s.needs_sample:

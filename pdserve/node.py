@@ -17,6 +17,7 @@ from pdserve.config import EngineConfig, NodeConfig, dtype_name
 from pdserve.engine import LLMEngine
 from pdserve.engine_loop import EngineLoop
 from pdserve.messages import Message, NodeInfo, NodeLoad, decode, encode
+from pdserve.metrics import CONTENT_TYPE, LATENCY_BUCKETS, Registry
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +79,48 @@ def check_token(request: Request, token: str) -> None:
         raise HTTPException(status_code=401, detail="missing or wrong cluster token")
 
 
+class NodeMetrics:
+    """The node's Prometheus metrics; engine figures are read when scraped."""
+
+    def __init__(self) -> None:
+        r = self.registry = Registry()
+        self.blocks_total = r.gauge("pdserve_kv_blocks_total", "KV cache blocks of this node.")
+        self.blocks_free = r.gauge(
+            "pdserve_kv_blocks_free", "KV blocks free or holding evictable prefix cache."
+        )
+        self.running = r.gauge("pdserve_running_requests", "Requests in the running batch.")
+        self.waiting = r.gauge("pdserve_waiting_requests", "Requests queued, including those waiting for KV.")
+        self.prompt_tokens = r.counter(
+            "pdserve_prompt_tokens_computed_total", "Prompt tokens run through the model on this node."
+        )
+        self.prefix_hits = r.counter(
+            "pdserve_prefix_cache_hit_tokens_total", "Prompt tokens served from this node's prefix cache."
+        )
+        self.transfer_bytes = r.counter("pdserve_kv_transfer_bytes_total", "KV bytes sent or received.")
+        self.transfer_seconds = r.histogram(
+            "pdserve_kv_transfer_seconds",
+            "Time to move one request's KV, send to ack.",
+            buckets=LATENCY_BUCKETS,
+        )
+        self._last: dict[str, float] = {}
+
+    def _advance(self, counter, key: str, total: float) -> None:
+        counter.inc(max(0.0, total - self._last.get(key, 0.0)))
+        self._last[key] = total
+
+    def render(self, engine: LLMEngine | None, transfer_bytes: int) -> str:
+        if engine is not None:
+            s = engine.scheduler
+            self.blocks_total.set(s.kv.pool.num_blocks)
+            self.blocks_free.set(s.kv.num_free_blocks)
+            self.running.set(len(s.running))
+            self.waiting.set(len(s.waiting) + len(s.remote))
+            self._advance(self.prompt_tokens, "prompt", engine.num_prompt_tokens_computed)
+            self._advance(self.prefix_hits, "hits", s.num_prefix_hit_tokens)
+        self._advance(self.transfer_bytes, "bytes", transfer_bytes)
+        return self.registry.render()
+
+
 class NodeState:
     """Engine, loop and identity of a running node, set up in the app's lifespan."""
 
@@ -88,6 +131,12 @@ class NodeState:
         self.engine: LLMEngine | None = None
         self.loop: EngineLoop | None = None
         self.info: NodeInfo | None = None
+        self.metrics = NodeMetrics()
+
+    @property
+    def transfer_bytes(self) -> int:
+        """KV bytes this node's transport moved; roles override."""
+        return 0
 
     async def start_engine(self, **loop_hooks) -> LLMEngine:
         self.engine = await asyncio.to_thread(LLMEngine, self.engine_config)
@@ -105,6 +154,12 @@ def add_common_routes(app: FastAPI, state: NodeState) -> None:
         if state.loop is None:
             return error_response(503, "starting", "unavailable")
         return PlainTextResponse("ok")
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(
+            state.metrics.render(state.engine, state.transfer_bytes), media_type=CONTENT_TYPE
+        )
 
     @app.get("/internal/info")
     async def info(request: Request):

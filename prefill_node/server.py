@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import time
 from concurrent.futures import Future
 
 from fastapi import FastAPI, Request
@@ -58,6 +59,10 @@ class PrefillNode(NodeState):
         self.info = node_info(engine, self.node, "prefill", transport, "")
         self.loop.start()
         logger.info("prefill node %s ready: KV via %s", self.info.node_id, transport)
+
+    @property
+    def transfer_bytes(self) -> int:
+        return self.sender.bytes_sent if self.sender is not None else 0
 
     def stop(self) -> None:
         if self.loop is not None:
@@ -106,6 +111,7 @@ class PrefillNode(NodeState):
                 generator_state=engine.generator_state(out.request_id),
                 num_cached_tokens=out.num_cached_tokens,
             )
+            started = time.monotonic()
             try:
                 fut = self.sender.send(
                     landing.kv_address,
@@ -120,9 +126,11 @@ class PrefillNode(NodeState):
                 fut.set_exception(e)
             finally:
                 engine.release_held(out.request_id)  # the sender copied the blocks out
-            fut.add_done_callback(lambda f, rid=out.request_id: self._transfer_done(rid, f))
+            fut.add_done_callback(lambda f, rid=out.request_id, t=started: self._transfer_done(rid, f, t))
 
-    def _transfer_done(self, request_id: str, fut: Future) -> None:
+    def _transfer_done(self, request_id: str, fut: Future, started: float) -> None:
+        if fut.exception() is None:
+            self.metrics.transfer_seconds.observe(time.monotonic() - started)
         self.loop.loop.call_soon_threadsafe(self._resolve, request_id, fut)
 
     def _resolve(self, request_id: str, fut: Future) -> None:

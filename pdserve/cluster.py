@@ -1,0 +1,179 @@
+"""`pdserve up`: a local cluster — prefill nodes, decode nodes and the proxy — as child processes.
+
+Each role runs as ``python -m pdserve <role> ...`` (exactly what a person would type
+in separate terminals; see deploy/local/README.md), with its log in a file. The
+launcher converts the default model once before anything starts, waits for every
+node's ``/health`` before starting the proxy, and stops all children on Ctrl-C,
+SIGTERM, or when any child dies.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pdserve.config import DEFAULT_MODEL, ModelConfig, cpu_count
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    host: str = "127.0.0.1"
+    """Interface of the proxy (nodes always bind to 127.0.0.1 in a local cluster)."""
+    port: int = 8000
+    """Port of the OpenAI-compatible proxy."""
+    prefill_nodes: int = 1
+    """Number of prefill nodes."""
+    decode_nodes: int = 1
+    """Number of decode nodes."""
+    threads_per_node: int = 0
+    """torch threads per node; 0 splits the machine's cores between the nodes."""
+    log_dir: str = ""
+    """Where each role's log goes; empty means <cache dir>/logs."""
+    startup_timeout_s: float = 900.0
+    """How long to wait for every role to answer /health."""
+    cluster_token: str = ""
+    """Shared secret for the internal APIs; empty means none."""
+
+
+@dataclass
+class _Child:
+    role: str
+    url: str
+    log: Path
+    proc: subprocess.Popen = field(repr=False)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def _tail(path: Path, n: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return ""
+
+
+class LocalCluster:
+    """Starts and stops the processes of a local cluster."""
+
+    def __init__(self, cfg: ClusterConfig, engine_flags: list[str], model: ModelConfig) -> None:
+        self.cfg = cfg
+        self.engine_flags = engine_flags
+        self.model = model
+        self.children: list[_Child] = []
+        self.log_dir = Path(cfg.log_dir) if cfg.log_dir else model.resolved_cache_dir / "logs"
+
+    def _spawn(self, role: str, port: int, args: list[str]) -> _Child:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        index = sum(1 for c in self.children if c.role.startswith(role))
+        log = self.log_dir / f"{role}-{index}.log"
+        cmd = [sys.executable, "-m", "pdserve", role, *args]
+        with open(log, "w") as f:
+            proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        child = _Child(f"{role}-{index}", f"http://127.0.0.1:{port}", log, proc)
+        self.children.append(child)
+        return child
+
+    def _wait_healthy(self, children: list[_Child]) -> None:
+        deadline = time.monotonic() + self.cfg.startup_timeout_s
+        pending = list(children)
+        while pending:
+            for child in list(pending):
+                if child.proc.poll() is not None:
+                    raise RuntimeError(
+                        f"{child.role} exited with code {child.proc.returncode}; its log ({child.log}):\n"
+                        f"{_tail(child.log)}"
+                    )
+                if _healthy(child.url):
+                    pending.remove(child)
+            if pending and time.monotonic() > deadline:
+                names = ", ".join(c.role for c in pending)
+                raise RuntimeError(f"{names} not healthy after {self.cfg.startup_timeout_s} s")
+            time.sleep(0.25)
+
+    def start(self) -> str:
+        cfg = self.cfg
+        if self.model.model == DEFAULT_MODEL:
+            from pdserve.default_model import ensure_default_model
+
+            ensure_default_model(self.model.resolved_cache_dir)  # once, before the nodes race for it
+        num_nodes = cfg.prefill_nodes + cfg.decode_nodes
+        threads = cfg.threads_per_node or max(1, cpu_count() // num_nodes)
+        token = ["--cluster-token", cfg.cluster_token] if cfg.cluster_token else []
+        nodes = []
+        for role, count in (("prefill", cfg.prefill_nodes), ("decode", cfg.decode_nodes)):
+            for _ in range(count):
+                port = free_port()
+                args = ["--port", str(port), "--num-threads", str(threads), *token, *self.engine_flags]
+                nodes.append(self._spawn(role, port, args))
+        self._wait_healthy(nodes)
+        proxy_args = ["--host", cfg.host, "--port", str(cfg.port), "--model", self.model.model, *token]
+        if self.model.cache_dir:
+            proxy_args += ["--cache-dir", self.model.cache_dir]
+        for role in ("prefill", "decode"):
+            urls = ",".join(c.url for c in nodes if c.role.startswith(role))
+            proxy_args += [f"--{role}-urls", urls]
+        proxy = self._spawn("proxy", cfg.port, proxy_args)
+        self._wait_healthy([proxy])
+        return f"http://{cfg.host}:{cfg.port}"
+
+    def wait(self) -> int:
+        """Block until a child dies (returning its code) or a signal arrives."""
+        while True:
+            for child in self.children:
+                code = child.proc.poll()
+                if code is not None:
+                    print(f"pdserve: {child.role} exited with code {code}; log: {child.log}", file=sys.stderr)
+                    print(_tail(child.log), file=sys.stderr)
+                    return code or 1
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        for child in self.children:
+            if child.proc.poll() is None:
+                os.killpg(child.proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for child in self.children:
+            try:
+                child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(child.proc.pid, signal.SIGKILL)
+
+
+def run(cfg: ClusterConfig, engine_flags: list[str], model: ModelConfig) -> int:
+    cluster = LocalCluster(cfg, engine_flags, model)
+
+    def _terminate(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _terminate)
+    try:
+        url = cluster.start()
+        names = ", ".join(c.role for c in cluster.children)
+        print(f"pdserve is up: OpenAI API at {url}/v1 ({names}; logs in {cluster.log_dir})", flush=True)
+        return cluster.wait()
+    except KeyboardInterrupt:
+        return 0
+    except RuntimeError as e:
+        print(f"pdserve up failed: {e}", file=sys.stderr)
+        return 1
+    finally:
+        cluster.stop()

@@ -1,0 +1,511 @@
+"""The proxy's HTTP front: OpenAI-compatible endpoints over a prefill/decode cluster.
+
+``create_app(config)`` builds the FastAPI app; its lifespan resolves the model (for the
+tokenizer), waits for every node's ``NodeInfo`` and refuses to start when the cluster is
+incompatible (``ClusterError``). Per request (DESIGN.md, life of a request, steps 1-2 and 5):
+validate, apply the chat template, tokenize, then hand the prompt to the ``Dispatcher``
+(``proxy/dispatch.py``) and relay its ``TokenEvent``s as a response or as SSE.
+
+Errors found before the first token (validation, no capacity, a failed prefill) are HTTP
+errors with OpenAI bodies; a streaming request that fails after its first token ends with
+an ``{"error": ...}`` event and ``[DONE]``. A client that disconnects, streaming or not,
+aborts its request on both nodes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from pdserve.config import ModelConfig
+from pdserve.messages import TokenEvent
+from pdserve.metrics import CONTENT_TYPE, LATENCY_BUCKETS, Registry
+from pdserve.models import resolve_model
+from pdserve.tokenizer import apply_chat_template, load_tokenizer
+from proxy.config import ProxyConfig
+from proxy.dispatch import Dispatcher, Generation
+from proxy.node_client import make_http_client
+from proxy.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    ProxyError,
+    bad_request,
+    chat_messages,
+    check_model,
+    check_token_ids,
+    error_body,
+    sampling_params,
+    single_prompt,
+)
+from proxy.responses import SSE_DONE, ChatBuilder, CompletionBuilder, TokenStrings, sse
+from proxy.router import POLICIES, ClusterError, Router
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+CLIENT_GONE = 499  # nginx's status for a client that closed the connection; used in metrics
+
+
+# -- client disconnects ----------------------------------------------------------------------
+
+
+class ClientGone(Exception):
+    """The client closed the connection."""
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def until_disconnected(work: Awaitable[T], receive: Receive) -> T:
+    """Await ``work`` unless the client disconnects first (then cancel it, raise ClientGone).
+
+    Servers only report a disconnect to whoever awaits ``receive()``, and nobody does while
+    a handler runs, so without this a vanished client would go unnoticed until the end.
+    """
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_wait_disconnect(receive))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+        await asyncio.gather(watch, task, return_exceptions=True)
+    if task.cancelled():
+        raise ClientGone()
+    return task.result()
+
+
+class EventStream(Response):
+    """A ``text/event-stream`` response that stops, and closes its body, when the client leaves."""
+
+    media_type = "text/event-stream"
+
+    def __init__(
+        self,
+        body: AsyncIterator[bytes],
+        headers: dict[str, str] | None = None,
+        on_close: Callable[[], None] | None = None,
+    ) -> None:
+        self.body_iterator = body
+        self.on_close = on_close
+        self.status_code = 200
+        self.background = None
+        self.init_headers({"cache-control": "no-cache", **(headers or {})})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def pump() -> None:
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            async for chunk in self.body_iterator:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        try:
+            await until_disconnected(pump(), receive)
+        except (ClientGone, OSError):
+            pass
+        finally:
+            await self.body_iterator.aclose()  # runs the body's cleanup if it did not finish
+            if self.on_close is not None:
+                self.on_close()  # for a body that never started, where aclose runs nothing
+
+
+# -- metrics ---------------------------------------------------------------------------------
+
+
+class ProxyMetrics:
+    """What /metrics shows about requests (the dispatcher adds its own)."""
+
+    def __init__(self, registry: Registry) -> None:
+        self.requests = registry.counter(
+            "pdserve_requests_total",
+            "Generation requests by final status (HTTP status; 499 = client went away). A streaming "
+            "request that fails after its first token counts under its error's status.",
+            ["status"],
+        )
+        self.running = registry.gauge("pdserve_requests_running", "Generation requests in flight.")
+        self.ttft = registry.histogram(
+            "pdserve_time_to_first_token_seconds",
+            "From the request's arrival to its first token at the proxy.",
+            buckets=LATENCY_BUCKETS,
+        )
+        self.itl = registry.histogram(
+            "pdserve_inter_token_latency_seconds",
+            "Time between consecutive output tokens at the proxy.",
+            buckets=LATENCY_BUCKETS,
+        )
+        self.e2e = registry.histogram(
+            "pdserve_e2e_request_latency_seconds",
+            "From the request's arrival to its end.",
+            buckets=LATENCY_BUCKETS,
+        )
+        self.prompt_tokens = registry.counter("pdserve_prompt_tokens_total", "Prompt tokens of requests.")
+        self.cached_tokens = registry.counter(
+            "pdserve_cached_prompt_tokens_total", "Prompt tokens whose KV came from a prefix cache."
+        )
+        self.generation_tokens = registry.counter("pdserve_generation_tokens_total", "Output tokens.")
+        self.node_up = registry.gauge(
+            "pdserve_node_up", "1 when the node answers and is compatible.", ["role", "node"]
+        )
+        self.node_inflight = registry.gauge(
+            "pdserve_node_requests_in_flight", "This proxy's requests on the node.", ["role", "node"]
+        )
+
+
+class _Timing:
+    """One request's latency bookkeeping; ``done`` records it exactly once."""
+
+    def __init__(self, metrics: ProxyMetrics, arrival: float) -> None:
+        self.m = metrics
+        self.arrival = arrival
+        self.last_token: float | None = None
+        self.recorded = False
+        metrics.running.inc()
+
+    def event(self, event: TokenEvent) -> None:
+        n = len(event.token_ids)
+        if not n:
+            return
+        now = time.monotonic()
+        if self.last_token is None:
+            self.m.ttft.observe(now - self.arrival)
+        else:
+            gap = (now - self.last_token) / n
+            for _ in range(n):
+                self.m.itl.observe(gap)
+        self.last_token = now
+
+    def done(self, status: int, builder=None) -> None:
+        if self.recorded:
+            return
+        self.recorded = True
+        self.m.running.dec()
+        self.m.requests.labels(str(status)).inc()
+        self.m.e2e.observe(time.monotonic() - self.arrival)
+        if builder is not None:
+            self.m.prompt_tokens.inc(builder.num_prompt_tokens)
+            self.m.cached_tokens.inc(builder.num_cached_tokens)
+            self.m.generation_tokens.inc(builder.num_output_tokens)
+
+
+def error_response(exc: ProxyError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+# -- the proxy -------------------------------------------------------------------------------
+
+
+class Proxy:
+    """A running proxy's state: tokenizer, router, dispatcher, metrics."""
+
+    def __init__(self, config: ProxyConfig) -> None:
+        self.config = config
+        self.registry = Registry()
+        self.metrics = ProxyMetrics(self.registry)
+        self.tokenizer = None
+        self.token_strings = TokenStrings(None)
+        self.model_id = ""
+        self.served_names: tuple[str, ...] = ()
+        self.http = None
+        self.router: Router | None = None
+        self.dispatcher: Dispatcher | None = None
+        self.started = False
+
+    async def start(self) -> None:
+        """Load the tokenizer, wait for the nodes, check the cluster; raises ClusterError."""
+        if self.started:
+            return
+        cfg = self.config
+        try:
+            source = await asyncio.to_thread(
+                resolve_model, ModelConfig(model=cfg.model, cache_dir=cfg.cache_dir)
+            )
+        except (ValueError, FileNotFoundError) as exc:
+            raise ClusterError(f"--model {cfg.model!r}: {exc}") from exc
+        if source.tokenizer_dir is not None:
+            self.tokenizer = await asyncio.to_thread(load_tokenizer, source.tokenizer_dir)
+        self.token_strings = TokenStrings(self.tokenizer)
+        self.model_id = source.model_id
+        self.served_names = tuple(dict.fromkeys(n for n in (cfg.served_model_name, source.model_id) if n))
+        self.http = make_http_client()
+        self.router = Router(
+            cfg.prefill_urls,
+            cfg.decode_urls,
+            self.http,
+            cfg.cluster_token,
+            POLICIES[cfg.routing_policy](),
+            cfg.load_poll_interval_s,
+        )
+        try:
+            await self.router.start(source.model_id, cfg.startup_timeout_s)
+        except BaseException:
+            await self.http.aclose()
+            raise
+        for node in self.router.nodes:
+            self.metrics.node_up.labels(node.role, node.url).set_function(lambda n=node: float(n.available))
+            self.metrics.node_inflight.labels(node.role, node.url).set_function(lambda n=node: n.num_inflight)
+        self.dispatcher = Dispatcher(self.router, self.registry, cfg.lease_s, cfg.admission_wait_s)
+        self.started = True
+        logger.info(
+            "proxy ready: model %s (served as %s), max_model_len %d, %d prefill and %d decode nodes",
+            self.model_id,
+            self.served_names[0],
+            self.router.max_model_len,
+            len(self.router.prefill),
+            len(self.router.decode),
+        )
+
+    async def close(self) -> None:
+        if self.dispatcher is not None:
+            await self.dispatcher.close()
+        if self.router is not None:
+            await self.router.close()
+        if self.http is not None:
+            await self.http.aclose()
+        self.started = False
+
+    # -- request handling --------------------------------------------------------------------
+
+    def check_api_key(self, request: Request) -> None:
+        key = self.config.api_key
+        if key and request.headers.get("authorization", "") != f"Bearer {key}":
+            raise ProxyError(401, "Incorrect API key provided.", code="invalid_api_key")
+
+    def _prompt(self, body: CompletionRequest | ChatCompletionRequest) -> tuple[list[int], str]:
+        """Token ids of the prompt, and the text echo=true puts in front of the output."""
+        tok = self.tokenizer
+        if isinstance(body, ChatCompletionRequest):
+            messages = chat_messages(body)
+            if tok is None:
+                raise bad_request(f"model {self.model_id} has no tokenizer, so no chat template", "messages")
+            try:
+                text = apply_chat_template(tok, messages, body.add_generation_prompt)
+            except Exception as exc:  # jinja errors: roles that do not alternate, and the like
+                raise bad_request(f"the chat template failed: {exc}", "messages") from None
+            return tok.encode(text, add_special_tokens=False), ""
+        prompt = single_prompt(body)
+        if isinstance(prompt, str):
+            if tok is None:
+                raise bad_request(
+                    f"model {self.model_id} has no tokenizer: send the prompt as token ids", "prompt"
+                )
+            ids = tok.encode(prompt, add_special_tokens=True)
+            if not ids:
+                raise bad_request("the prompt is empty", "prompt")
+            return ids, prompt if body.echo else ""
+        check_token_ids(prompt, self.router.vocab_size)
+        echo = tok.decode(prompt) if body.echo and tok is not None else ""
+        return list(prompt), echo
+
+    async def generate(self, body: CompletionRequest | ChatCompletionRequest, request: Request) -> Response:
+        arrival = time.monotonic()
+        timing = _Timing(self.metrics, arrival)
+        chat = isinstance(body, ChatCompletionRequest)
+        try:
+            model = check_model(body.model, self.served_names)
+            prompt_ids, echo_text = self._prompt(body)
+            params = sampling_params(
+                body, len(prompt_ids), self.router.max_model_len, self.config.default_max_tokens
+            )
+        except ProxyError as exc:
+            timing.done(exc.status)
+            return error_response(exc)
+        request_id = uuid.uuid4().hex
+        kwargs: dict[str, Any] = dict(
+            stream=body.stream,
+            include_usage=body.include_usage,
+            logprobs=params.logprobs,
+            token_strings=self.token_strings,
+        )
+        if chat:
+            builder = ChatBuilder(
+                f"chatcmpl-{request_id}", model, int(time.time()), len(prompt_ids), **kwargs
+            )
+        else:
+            builder = CompletionBuilder(
+                f"cmpl-{request_id}", model, int(time.time()), len(prompt_ids), echo_text=echo_text, **kwargs
+            )
+        gen = self.dispatcher.start(request_id, prompt_ids, params, arrival + self.config.request_timeout_s)
+        headers = {"x-request-id": request_id}
+        try:
+            if body.stream:
+                # Wait for the first token before answering, so that everything that can fail
+                # before it (capacity, the prefill) still gets a proper HTTP status.
+                first = await until_disconnected(gen.next(), request.receive)
+
+                def on_close() -> None:
+                    gen.cancel()
+                    timing.done(CLIENT_GONE, builder)  # no-op unless the body never ran
+
+                return EventStream(self._stream(gen, builder, timing, first), headers, on_close)
+            await until_disconnected(self._collect(gen, builder, timing), request.receive)
+        except ClientGone:
+            gen.cancel()
+            timing.done(CLIENT_GONE, builder)
+            return Response(status_code=CLIENT_GONE)
+        except ProxyError as exc:
+            timing.done(exc.status, builder)
+            return error_response(exc)
+        except BaseException:
+            gen.cancel()
+            timing.done(500, builder)
+            raise
+        self._fill_cached(gen, builder)
+        timing.done(200, builder)
+        return Response(builder.response().model_dump_json(), media_type="application/json", headers=headers)
+
+    @staticmethod
+    def _fill_cached(gen: Generation, builder) -> None:
+        # The decode node reports cached tokens on its events; the prefill node's own count
+        # stands in if an event stream carried none.
+        if gen.prefill_result is not None:
+            builder.num_cached_tokens = max(builder.num_cached_tokens, gen.prefill_result.num_cached_tokens)
+
+    async def _collect(self, gen: Generation, builder, timing: _Timing) -> None:
+        while (event := await gen.next()) is not None:
+            timing.event(event)
+            builder.add(event)
+
+    async def _stream(
+        self, gen: Generation, builder, timing: _Timing, first: TokenEvent | None
+    ) -> AsyncIterator[bytes]:
+        status = CLIENT_GONE
+        try:
+            for chunk in builder.start():
+                yield chunk
+            event = first
+            try:
+                while event is not None:
+                    timing.event(event)
+                    chunk = builder.add(event)
+                    if chunk is not None:
+                        yield chunk
+                    event = await gen.next()
+            except Exception as exc:
+                if not isinstance(exc, ProxyError):
+                    logger.exception("streaming request %s failed", gen.request_id)
+                    exc = ProxyError(500, f"internal error: {type(exc).__name__}: {exc}")
+                status = exc.status
+                gen.cancel()
+                yield sse(exc.body())
+                yield SSE_DONE
+                return
+            self._fill_cached(gen, builder)
+            for chunk in builder.finish():
+                yield chunk
+            status = 200
+        finally:
+            if status == CLIENT_GONE:
+                gen.cancel()
+            timing.done(status, builder)
+
+    # -- other endpoints ---------------------------------------------------------------------
+
+    def models(self) -> ModelList:
+        created = int(time.time())
+        cards = [
+            ModelCard(id=name, created=created, root=self.model_id, max_model_len=self.router.max_model_len)
+            for name in self.served_names
+        ]
+        return ModelList(data=cards)
+
+    async def health(self) -> Response:
+        """200 when at least one prefill and one decode node answer /health."""
+        usable = [n for n in self.router.nodes if not n.incompatible]
+        answers = await asyncio.gather(*(n.client.health() for n in usable))
+        healthy = {n.role for n, ok in zip(usable, answers) if ok}
+        missing = [role for role in ("prefill", "decode") if role not in healthy]
+        if missing:
+            message = f"no healthy {' or '.join(missing)} node"
+            return JSONResponse(error_body(503, message), status_code=503)
+        return Response(status_code=200)
+
+
+# -- the app ---------------------------------------------------------------------------------
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    parts = []
+    param = None
+    for err in exc.errors():
+        if err.get("type") == "json_invalid":
+            return f"the body is not valid JSON: {err.get('ctx', {}).get('error', err.get('msg'))}", None
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        if param is None and loc:
+            param = ".".join(loc)
+        parts.append(f"{'.'.join(loc) or 'body'}: {err.get('msg')}")
+    return "; ".join(parts) or "invalid request", param
+
+
+def create_app(config: ProxyConfig, proxy: Proxy | None = None) -> FastAPI:
+    """The proxy's ASGI app. Start-up (the lifespan) raises ``ClusterError`` when the nodes
+    cannot be reached in time or disagree; pass a started ``proxy`` to skip that step."""
+    proxy = proxy or Proxy(config)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        owned = not proxy.started
+        await proxy.start()
+        try:
+            yield
+        finally:
+            if owned:
+                await proxy.close()
+
+    app = FastAPI(title="pdserve", lifespan=lifespan)
+    app.state.proxy = proxy
+
+    @app.exception_handler(ProxyError)
+    async def _proxy_error(request: Request, exc: ProxyError):
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        message, param = _validation_message(exc)
+        if request.url.path in ("/v1/completions", "/v1/chat/completions"):
+            proxy.metrics.requests.labels("400").inc()
+        return JSONResponse(error_body(400, message, param=param), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        return JSONResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code)
+
+    authenticated = [Depends(proxy.check_api_key)]
+
+    @app.post("/v1/completions", dependencies=authenticated)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await proxy.generate(body, request)
+
+    @app.post("/v1/chat/completions", dependencies=authenticated)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await proxy.generate(body, request)
+
+    @app.get("/v1/models", dependencies=authenticated)
+    async def models() -> Response:
+        return Response(proxy.models().model_dump_json(), media_type="application/json")
+
+    @app.get("/health")
+    async def health() -> Response:
+        return await proxy.health()
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(proxy.registry.render(), media_type=CONTENT_TYPE)
+
+    return app

@@ -1,0 +1,86 @@
+"""The proxy's frozen configuration; ``pdserve proxy`` reads its flag defaults from here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pdserve.config import DEFAULT_MODEL
+
+
+def _normalize_urls(urls: object, what: str) -> tuple[str, ...]:
+    if isinstance(urls, str):
+        urls = [u for u in urls.split(",")]
+    out = []
+    for url in urls:  # type: ignore[union-attr]
+        url = str(url).strip().rstrip("/")
+        if not url:
+            continue
+        if "://" not in url:
+            url = "http://" + url
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"{what} URL {url!r} must be http:// or https://")
+        out.append(url)
+    if len(set(out)) != len(out):
+        raise ValueError(f"{what} URLs are listed twice: {out}")
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    """The OpenAI-compatible front of a cluster: where it listens and which nodes it drives."""
+
+    host: str = "127.0.0.1"
+    """Address to listen on."""
+    port: int = 8000
+    """Port to listen on (0 picks a free one)."""
+    prefill_urls: tuple[str, ...] = field(default_factory=tuple)
+    """Base URLs of the prefill nodes (comma-separated on the command line; http:// is implied)."""
+    decode_urls: tuple[str, ...] = field(default_factory=tuple)
+    """Base URLs of the decode nodes (comma-separated on the command line; http:// is implied)."""
+    model: str = DEFAULT_MODEL
+    """The nodes' --model: `default`, an HF-format folder or `random:<preset>`; gives the tokenizer."""
+    served_model_name: str = ""
+    """Name clients use in `model` and /v1/models lists; empty means the model id."""
+    cache_dir: str = ""
+    """Where converted models live (as the nodes' --cache-dir); empty means the default."""
+    lease_s: float = 30.0
+    """How long a decode node holds a reservation for KV that has not landed yet."""
+    request_timeout_s: float = 600.0
+    """Every request ends, with output or an error, within this many seconds."""
+    cluster_token: str = ""
+    """Bearer token of the nodes' internal API; empty when the cluster uses none."""
+    api_key: str = ""
+    """If set, clients must send `Authorization: Bearer <api_key>` to /v1/*."""
+    routing_policy: str = "least-loaded"
+    """How to pick nodes: `least-loaded` or `round-robin`."""
+    default_max_tokens: int = 4096
+    """max_tokens of a request that sets none; the rest of the context caps it further."""
+    admission_wait_s: float = 5.0
+    """How long a request waits for free KV blocks on some decode node before a 429."""
+    load_poll_interval_s: float = 1.0
+    """How often each node's load is polled (also how fast a dead node is noticed)."""
+    startup_timeout_s: float = 600.0
+    """How long start-up waits for every node to answer /internal/info."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prefill_urls", _normalize_urls(self.prefill_urls, "prefill"))
+        object.__setattr__(self, "decode_urls", _normalize_urls(self.decode_urls, "decode"))
+        if not self.prefill_urls:
+            raise ValueError("the proxy needs at least one prefill node URL")
+        if not self.decode_urls:
+            raise ValueError("the proxy needs at least one decode node URL")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        for name in ("lease_s", "request_timeout_s", "load_poll_interval_s", "startup_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.admission_wait_s < 0:
+            raise ValueError(f"admission_wait_s must be >= 0, got {self.admission_wait_s}")
+        if self.default_max_tokens < 1:
+            raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
+        from proxy.router import POLICIES
+
+        if self.routing_policy not in POLICIES:
+            raise ValueError(
+                f"unknown routing_policy {self.routing_policy!r}; choose one of {sorted(POLICIES)}"
+            )

@@ -1,0 +1,314 @@
+"""One request's trip through the cluster (DESIGN.md, life of a request, steps 3-6).
+
+1. Reserve KV blocks on a decode node (``/internal/reserve``), trying nodes in the policy's
+   order; a node with no free blocks (503) sends us to the next, and when every node is
+   full the request waits up to ``admission_wait_s`` before it gets a 429.
+2. Open the decode node's token stream (``/internal/stream``) and wait for its headers,
+   so no token can be missed.
+3. Send the prompt and the landing descriptor to a prefill node (``/internal/prefill``),
+   concurrently with reading the stream. Its reply is control-plane only (ok or an error).
+4. Relay ``TokenEvent``s until one carries ``finish_reason``.
+
+Every way out releases what was taken: a failed prefill, a dead or misbehaving node, the
+deadline or the client leaving aborts the request on each node still holding it
+(``/internal/abort``, and closing our connections, which the nodes also treat as an
+abort). Aborts run as background tasks so that they survive the cancellation that
+triggered them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Coroutine
+from typing import Any
+
+from pdserve.messages import (
+    LandingDescriptor,
+    PrefillRequest,
+    PrefillResult,
+    ReserveRequest,
+    SamplingParamsMsg,
+    StreamRequest,
+    TokenEvent,
+)
+from pdserve.metrics import LATENCY_BUCKETS, Registry
+from pdserve.sampling_params import SamplingParams
+from proxy.node_client import NodeError
+from proxy.protocol import ProxyError
+from proxy.router import NodeState, Router, RouteRequest
+
+logger = logging.getLogger(__name__)
+
+
+class Dispatcher:
+    """Starts ``Generation``s and owns the background abort tasks they leave behind."""
+
+    def __init__(
+        self,
+        router: Router,
+        registry: Registry,
+        lease_s: float = 30.0,
+        admission_wait_s: float = 5.0,
+    ) -> None:
+        self.router = router
+        self.lease_s = lease_s
+        self.admission_wait_s = admission_wait_s
+        self._background: set[asyncio.Task] = set()
+        self.aborts = registry.counter(
+            "pdserve_node_aborts_total", "Abort requests the proxy sent to nodes.", ["role"]
+        )
+        self.full_rejections = registry.counter(
+            "pdserve_decode_full_total", "Reservations a decode node refused for lack of free KV blocks."
+        )
+        self.prefill_latency = registry.histogram(
+            "pdserve_prefill_call_seconds",
+            "From sending a prefill request to its result (KV committed on the decode node).",
+            buckets=LATENCY_BUCKETS,
+        )
+
+    def start(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, deadline: float
+    ) -> Generation:
+        """Begin a request; ``deadline`` is on the ``time.monotonic()`` clock."""
+        return Generation(self, request_id, prompt_token_ids, params, deadline)
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._reap)
+        return task
+
+    def _reap(self, task: asyncio.Task) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.warning("background task failed: %r", task.exception())
+
+    def abort(self, node: NodeState, request_id: str) -> None:
+        self.aborts.labels(node.role).inc()
+        self.spawn(self._abort(node, request_id))
+
+    async def _abort(self, node: NodeState, request_id: str) -> None:
+        try:
+            await node.client.abort(request_id)
+        except NodeError as exc:
+            # The node may be dead (its blocks die with it) or have finished the request already.
+            logger.info("abort of %s on %s node %s failed: %s", request_id, node.role, node.url, exc.message)
+
+    async def close(self, timeout: float = 5.0) -> None:
+        """Let pending aborts finish (bounded) at shutdown."""
+        if self._background:
+            await asyncio.wait(list(self._background), timeout=timeout)
+
+
+async def _drain(events) -> None:
+    async for _ in events:
+        pass
+
+
+def _node_failure(node: NodeState, exc: NodeError, what: str) -> ProxyError:
+    """What the client is told when a node call fails."""
+    if exc.status == 400:
+        return ProxyError(400, exc.message)  # the node judged the request itself (prompt too long...)
+    if exc.unreachable:
+        return ProxyError(503, f"{what}: {node.role} node {node.url} is unreachable ({exc.message})")
+    return ProxyError(502, f"{what}: {node.role} node {node.url} answered {exc.status}: {exc.message}")
+
+
+class Generation:
+    """A request in flight: read events with ``next()``; ``cancel()`` aborts it everywhere.
+
+    The protocol runs in its own task and hands events over a queue, so the deadline and the
+    cleanup do not depend on how (or whether) the caller keeps reading.
+    """
+
+    def __init__(
+        self,
+        dispatcher: Dispatcher,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        deadline: float,
+    ) -> None:
+        self.d = dispatcher
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.params = SamplingParamsMsg.from_params(params)
+        self.deadline = deadline
+        self.decode_node: NodeState | None = None
+        self.prefill_node: NodeState | None = None
+        self.prefill_result: PrefillResult | None = None
+        self.finished = False  # the decode node sent the final event
+        self._prefill_pending = False  # a prefill call was sent and not answered
+        self._queue: asyncio.Queue[TokenEvent | ProxyError | None] = asyncio.Queue()
+        self._task = asyncio.ensure_future(self._run())
+
+    async def next(self) -> TokenEvent | None:
+        """The next event; None after the final one; raises ProxyError if the request failed."""
+        item = await self._queue.get()
+        if isinstance(item, ProxyError):
+            raise item
+        return item
+
+    def cancel(self) -> None:
+        """The client is gone: stop, aborting on every node that holds the request."""
+        if not self.finished:
+            self._task.cancel()
+
+    # -- the protocol --------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        timeout = max(0.0, self.deadline - time.monotonic())
+        try:
+            await asyncio.wait_for(self._protocol(), timeout)
+            self._queue.put_nowait(None)
+        except asyncio.TimeoutError:
+            self._queue.put_nowait(ProxyError(504, f"the request did not finish within {timeout:.0f} s"))
+        except ProxyError as exc:
+            self._queue.put_nowait(exc)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a bug: tell the client, keep the server up
+            logger.exception("request %s failed", self.request_id)
+            self._queue.put_nowait(ProxyError(500, f"internal error: {type(exc).__name__}: {exc}"))
+
+    async def _protocol(self) -> None:
+        route = RouteRequest(self.request_id, self.prompt_token_ids)
+        decode, landing = await self._reserve(route)
+        self.decode_node = decode
+        try:
+            try:
+                async with decode.client.stream(StreamRequest(self.request_id)) as events:
+                    await self._generate(route, landing, events)
+            except NodeError as exc:
+                raise _node_failure(decode, exc, "token stream failed") from None
+        finally:
+            decode.num_inflight -= 1
+            if not self.finished:
+                self.d.abort(decode, self.request_id)
+
+    async def _generate(self, route: RouteRequest, landing: LandingDescriptor, events) -> None:
+        prefill = asyncio.ensure_future(self._prefill(route, landing))
+        relay = asyncio.ensure_future(self._relay(events))
+        try:
+            done, _ = await asyncio.wait({prefill, relay}, return_when=asyncio.FIRST_COMPLETED)
+            if prefill in done:
+                prefill.result()  # raises when the prefill failed
+            await relay
+        finally:
+            relay.cancel()  # no-op when done
+            waits = [relay]
+            if not prefill.done() and self.finished:
+                # The decode node has everything; let the prefill reply arrive on its own.
+                self.d.spawn(prefill)
+            else:
+                prefill.cancel()
+                waits.append(prefill)
+            await asyncio.gather(*waits, return_exceptions=True)  # also retrieves their exceptions
+            if self._prefill_pending and not self.finished and self.prefill_node is not None:
+                self.d.abort(self.prefill_node, self.request_id)
+
+    async def _relay(self, events) -> None:
+        decode = self.decode_node
+        async for event in events:
+            if event.error or event.finish_reason in ("abort", "error"):
+                reason = event.error or f"finish_reason {event.finish_reason}"
+                raise ProxyError(502, f"decode node {decode.url} failed the request: {reason}")
+            if event.request_id != self.request_id:
+                raise ProxyError(502, f"decode node {decode.url} sent an event of {event.request_id!r}")
+            self._queue.put_nowait(event)
+            if event.finish_reason is not None:
+                self.finished = True
+                self._queue.put_nowait(None)  # the caller need not wait for the cleanup below
+                # Read the (empty) rest of the body so the connection returns to the pool.
+                with contextlib.suppress(asyncio.TimeoutError, NodeError):
+                    await asyncio.wait_for(_drain(events), 1.0)
+                return
+        raise ProxyError(502, f"decode node {decode.url} ended the token stream before the request finished")
+
+    async def _reserve(self, route: RouteRequest) -> tuple[NodeState, LandingDescriptor]:
+        router = self.d.router
+        msg = ReserveRequest(self.request_id, self.prompt_token_ids, self.params, self.d.lease_s)
+        give_up = time.monotonic() + self.d.admission_wait_s
+        backoff = 0.01
+        while True:
+            ranked = router.rank("decode", route)
+            if not ranked:
+                raise ProxyError(503, "no compatible decode node is available", retry_after=1)
+            full: list[NodeError] = []
+            failed: list[str] = []
+            status = 503  # 502 once some node answered with an error
+            for node in ranked:
+                try:
+                    landing = await node.client.reserve(msg)
+                except asyncio.CancelledError:
+                    self.d.abort(node, self.request_id)  # it may have reserved before we left
+                    raise
+                except NodeError as exc:
+                    if exc.status in (429, 503):
+                        self.d.full_rejections.inc()
+                        full.append(exc)
+                        continue
+                    if exc.status == 400:
+                        raise _node_failure(node, exc, "reserve failed") from None
+                    if exc.connect_failed:
+                        router.mark_down(node, exc.message)
+                    elif exc.unreachable:
+                        self.d.abort(node, self.request_id)  # timed out: it may have reserved
+                    else:
+                        status = 502
+                    failed.append(f"{node.url}: {exc.message}")
+                    continue
+                if landing.request_id != self.request_id:
+                    self.d.abort(node, self.request_id)
+                    raise ProxyError(502, f"decode node {node.url} reserved for {landing.request_id!r}")
+                node.num_inflight += 1
+                return node, landing
+            now = time.monotonic()
+            if not full:
+                raise ProxyError(status, "no decode node could reserve: " + "; ".join(failed), retry_after=1)
+            if now >= give_up:
+                retry_after = max([e.retry_after or 1.0 for e in full])
+                raise ProxyError(
+                    429,
+                    "the cluster is at capacity: no decode node has free KV blocks for this request now",
+                    retry_after=retry_after,
+                )
+            await asyncio.sleep(min(backoff, give_up - now))
+            backoff = min(2 * backoff, 0.2)
+
+    async def _prefill(self, route: RouteRequest, landing: LandingDescriptor) -> PrefillResult:
+        router = self.d.router
+        msg = PrefillRequest(self.request_id, self.prompt_token_ids, self.params, landing)
+        failed: list[str] = []
+        for node in router.rank("prefill", route):
+            self.prefill_node = node
+            self._prefill_pending = True
+            node.num_inflight += 1
+            start = time.monotonic()
+            try:
+                result = await node.client.prefill(msg, timeout=None)
+            except NodeError as exc:
+                if exc.connect_failed or exc.status in (429, 503):
+                    # It never took the request: another prefill node may.
+                    self._prefill_pending = False
+                    if exc.connect_failed:
+                        router.mark_down(node, exc.message)
+                    failed.append(f"{node.url}: {exc.message}")
+                    continue
+                if exc.status:
+                    self._prefill_pending = False  # it answered, so it let go of the request
+                raise _node_failure(node, exc, "prefill failed") from None
+            finally:
+                node.num_inflight -= 1
+            self._prefill_pending = False
+            self.d.prefill_latency.observe(time.monotonic() - start)
+            self.prefill_result = result
+            if not result.ok:
+                raise ProxyError(502, f"prefill failed on {node.url}: {result.error or 'no reason given'}")
+            return result
+        if not failed:
+            raise ProxyError(503, "no compatible prefill node is available", retry_after=1)
+        raise ProxyError(503, "no prefill node took the request: " + "; ".join(failed), retry_after=1)

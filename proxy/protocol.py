@@ -1,0 +1,451 @@
+"""The OpenAI API as pdserve speaks it: request models, their validation into ``SamplingParams``,
+response models and error bodies.
+
+Field names and defaults follow OpenAI and vLLM (whose extensions ``top_k``, ``min_p``,
+``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``, ``min_tokens``,
+``include_stop_str_in_output``, ``skip_special_tokens`` and ``stop_reason`` are kept).
+Unknown request fields are ignored, as OpenAI does. Anything we cannot honour (n > 1,
+logit_bias, tools, images, batched prompts) is a 400, never silently dropped.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
+
+from pdserve.sampling_params import SamplingParams
+
+# -- errors --------------------------------------------------------------------------------
+
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    408: "timeout_error",
+    429: "rate_limit_error",
+    499: "client_closed_request",
+}
+
+
+class ProxyError(Exception):
+    """A request failed in a way the client is told about, as an OpenAI error body."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        error_type: str | None = None,
+        retry_after: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.error_type = error_type or _ERROR_TYPES.get(status, "server_error")
+        self.retry_after = retry_after
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.status, self.message, self.error_type, self.param, self.code)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        if self.retry_after is None:
+            return {}
+        return {"retry-after": str(max(1, round(self.retry_after)))}
+
+
+def error_body(
+    status: int,
+    message: str,
+    error_type: str | None = None,
+    param: str | None = None,
+    code: str | None = None,
+) -> dict[str, Any]:
+    """OpenAI's error object: ``{"error": {"message", "type", "param", "code"}}``."""
+    return {
+        "error": {
+            "message": message,
+            "type": error_type or _ERROR_TYPES.get(status, "server_error"),
+            "param": param,
+            "code": code,
+        }
+    }
+
+
+def bad_request(message: str, param: str | None = None) -> ProxyError:
+    return ProxyError(400, message, param=param)
+
+
+# -- requests ------------------------------------------------------------------------------
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class _SamplingRequest(_Request):
+    """Fields the two generation endpoints share."""
+
+    model: str | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16  # OpenAI's default; an explicit null means "the rest of the context"
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class ChatMessage(BaseModel):
+    """One message; extra fields (name, tool_calls, ...) pass through to the chat template."""
+
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    add_generation_prompt: bool = True  # vLLM extension
+
+
+def check_model(requested: str | None, served: tuple[str, ...]) -> str:
+    """The served name a request addresses; unknown names are a 404 as in OpenAI."""
+    if not requested:
+        return served[0]
+    if requested in served:
+        return requested
+    raise ProxyError(404, f"The model `{requested}` does not exist.", param="model", code="model_not_found")
+
+
+def single_prompt(request: CompletionRequest) -> str | list[int]:
+    """The one prompt of a completion request, as text or token ids."""
+    prompt = request.prompt
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        if len(prompt) != 1:
+            raise bad_request(
+                f"batched prompts are not supported: got {len(prompt)} prompts, send one per request",
+                "prompt",
+            )
+        prompt = prompt[0]
+    if len(prompt) == 0:
+        raise bad_request("the prompt is empty", "prompt")
+    return prompt
+
+
+def check_token_ids(token_ids: list[int], vocab_size: int) -> None:
+    if vocab_size:
+        bad = [t for t in token_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise bad_request(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})", "prompt")
+
+
+def chat_messages(request: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """Messages as the chat template takes them: content parts joined into one string."""
+    if request.tools and request.tool_choice != "none":
+        raise bad_request("tool calling is not supported", "tools")
+    if request.response_format and request.response_format.get("type", "text") != "text":
+        raise bad_request(
+            f"response_format {request.response_format.get('type')!r} is not supported (only 'text')",
+            "response_format",
+        )
+    messages = []
+    for i, message in enumerate(request.messages):
+        out = message.model_dump(exclude_none=True)
+        content = message.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise bad_request(
+                        f"content part of type {part.get('type')!r} is not supported (text only)",
+                        f"messages[{i}].content",
+                    )
+                texts.append(part["text"])
+            out["content"] = "\n".join(texts)
+        elif content is None:
+            out["content"] = ""
+        messages.append(out)
+    return messages
+
+
+_PARAM_RE = re.compile(r"^([a-z_]+) ")
+
+
+def sampling_params(
+    request: CompletionRequest | ChatCompletionRequest,
+    num_prompt_tokens: int,
+    max_model_len: int,
+    default_max_tokens: int,
+) -> SamplingParams:
+    """Validate a request's sampling fields against the context and build its SamplingParams.
+
+    ``max_tokens`` absent (chat) or null fills the rest of the context, capped at
+    ``default_max_tokens``; an explicit value that does not fit is a 400, as in vLLM.
+    """
+    if request.n != 1:
+        raise bad_request(f"n must be 1, got {request.n} (parallel sampling is not supported)", "n")
+    if request.stream_options is not None and not request.stream:
+        raise bad_request("stream_options can only be set when stream is true", "stream_options")
+    if request.logit_bias:
+        raise bad_request("logit_bias is not supported", "logit_bias")
+    if isinstance(request, ChatCompletionRequest):
+        max_tokens = request.max_completion_tokens
+        if max_tokens is None:
+            max_tokens = request.max_tokens
+        param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
+        if request.top_logprobs is not None and not request.logprobs:
+            raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+        logprobs = (request.top_logprobs or 0) if request.logprobs else None
+    else:
+        if request.best_of not in (None, 1):
+            raise bad_request(f"best_of must be 1, got {request.best_of}", "best_of")
+        if request.suffix:
+            raise bad_request("suffix is not supported", "suffix")
+        if request.echo and request.logprobs is not None:
+            raise bad_request("echo with logprobs is not supported (no prompt logprobs)", "echo")
+        max_tokens = request.max_tokens
+        param = "max_tokens"
+        logprobs = request.logprobs
+
+    if num_prompt_tokens >= max_model_len:
+        raise ProxyError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. However, your request has "
+            f"{num_prompt_tokens} input tokens, which leaves no room for output. "
+            "Please reduce the length of the input.",
+            param="messages" if isinstance(request, ChatCompletionRequest) else "prompt",
+            code="context_length_exceeded",
+        )
+    if max_tokens is None:
+        max_tokens = min(default_max_tokens, max_model_len - num_prompt_tokens)
+    elif max_tokens < 1:
+        raise bad_request(f"{param} must be at least 1, got {max_tokens}", param)
+    elif num_prompt_tokens + max_tokens > max_model_len:
+        raise ProxyError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the input, {max_tokens} in "
+            "the completion). Please reduce the length of the input or completion.",
+            param=param,
+            code="context_length_exceeded",
+        )
+
+    def pick(value, default):
+        return default if value is None else value
+
+    try:
+        return SamplingParams(
+            n=1,
+            temperature=pick(request.temperature, 1.0),
+            top_p=pick(request.top_p, 1.0),
+            top_k=pick(request.top_k, 0),
+            min_p=pick(request.min_p, 0.0),
+            seed=request.seed,
+            presence_penalty=pick(request.presence_penalty, 0.0),
+            frequency_penalty=pick(request.frequency_penalty, 0.0),
+            repetition_penalty=pick(request.repetition_penalty, 1.0),
+            stop=request.stop or (),
+            stop_token_ids=request.stop_token_ids or (),
+            ignore_eos=request.ignore_eos,
+            max_tokens=max_tokens,
+            min_tokens=request.min_tokens,
+            logprobs=logprobs,
+            include_stop_str_in_output=request.include_stop_str_in_output,
+            skip_special_tokens=request.skip_special_tokens,
+        )
+    except ValueError as exc:
+        message = str(exc)
+        match = _PARAM_RE.match(message)
+        name = match.group(1) if match else None
+        if name == "logprobs" and isinstance(request, ChatCompletionRequest):
+            name = "top_logprobs"
+            message = message.replace("logprobs", "top_logprobs", 1)
+        raise bad_request(message, name) from None
+
+
+# -- responses -----------------------------------------------------------------------------
+
+
+class _Response(BaseModel):
+    """Response models; keys named in ``_omit_if_none`` are left out when None."""
+
+    _omit_if_none: ClassVar[tuple[str, ...]] = ()
+
+    @model_serializer(mode="wrap")
+    def _serialize(self, handler):
+        data = handler(self)
+        for key in self._omit_if_none:
+            if key in data and data[key] is None:
+                del data[key]
+        return data
+
+
+class PromptTokensDetails(_Response):
+    cached_tokens: int = 0
+
+
+class Usage(_Response):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+def make_usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int) -> Usage:
+    return Usage(
+        prompt_tokens=num_prompt_tokens,
+        completion_tokens=num_completion_tokens,
+        total_tokens=num_prompt_tokens + num_completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached_tokens),
+    )
+
+
+class CompletionLogprobs(_Response):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(_Response):
+    index: int = 0
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(_Response):
+    _omit_if_none = ("usage",)
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class TopLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatChoiceLogprobs(_Response):
+    content: list[ChatLogprob] | None = None
+
+
+class AssistantMessage(_Response):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+    refusal: str | None = None
+
+
+class ChatChoice(_Response):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(_Response):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    system_fingerprint: str | None = None
+
+
+class Delta(_Response):
+    _omit_if_none = ("role", "content")
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(_Response):
+    index: int = 0
+    delta: Delta
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(_Response):
+    _omit_if_none = ("usage",)
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(_Response):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "pdserve"
+    root: str
+    parent: str | None = None
+    max_model_len: int
+
+
+class ModelList(_Response):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

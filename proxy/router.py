@@ -1,0 +1,300 @@
+"""The proxy's view of the cluster: which nodes exist, whether they are up and compatible,
+how loaded they are, and a policy that orders them for each request.
+
+Start-up waits for every node's ``NodeInfo`` and refuses a cluster whose prefill and decode
+nodes disagree on anything that shapes the KV cache (DESIGN.md, compatibility checks): a
+block-size mismatch must stop the proxy, never fail every request later. Afterwards a
+poller reads each node's ``NodeLoad``; a node that stops answering leaves the candidate
+lists until it answers again, and a node that comes back is checked again before it is used.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import httpx
+
+from pdserve.messages import NodeInfo, NodeLoad
+from proxy.node_client import NodeClient, NodeError
+
+logger = logging.getLogger(__name__)
+
+COMPAT_FIELDS = (
+    "model_id",
+    "dtype",
+    "block_size",
+    "num_layers",
+    "num_kv_heads",
+    "head_dim",
+    "kv_layout",
+    "kv_transport",
+)
+"""NodeInfo fields every prefill node must share with every decode node."""
+
+ROLES = {"prefill": ("prefill", "both"), "decode": ("decode", "both")}
+
+
+class ClusterError(RuntimeError):
+    """The cluster cannot be served: nodes unreachable at start-up, or incompatible."""
+
+
+def mismatches(a: NodeInfo, b: NodeInfo) -> list[tuple[str, object, object]]:
+    """The compatibility fields on which two nodes disagree, with both values."""
+    return [(f, getattr(a, f), getattr(b, f)) for f in COMPAT_FIELDS if getattr(a, f) != getattr(b, f)]
+
+
+@dataclass(eq=False)
+class NodeState:
+    """One node as the proxy sees it. Mutated only on the event loop."""
+
+    url: str
+    role: str  # the role the proxy uses it in: prefill | decode
+    client: NodeClient
+    info: NodeInfo | None = None
+    load: NodeLoad | None = None
+    load_time: float = 0.0  # monotonic time of the last successful poll
+    num_inflight: int = 0  # this proxy's requests on the node now
+    up: bool = False
+    incompatible: str = ""  # why the node is kept out of routing, if it is
+    last_error: str = ""
+
+    @property
+    def available(self) -> bool:
+        return self.up and self.info is not None and not self.incompatible
+
+    @property
+    def load_score(self) -> int:
+        """Requests on the node: our own in-flight count is exact and current, the polled load
+        also counts other proxies' requests but is up to a poll interval old; take the larger."""
+        polled = self.load.running + self.load.waiting + self.load.waiting_for_kv if self.load else 0
+        return max(self.num_inflight, polled)
+
+    @property
+    def free_block_fraction(self) -> float:
+        if self.load is None or self.load.total_blocks <= 0:
+            return 1.0
+        return self.load.free_blocks / self.load.total_blocks
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    """What a policy may look at to place a request."""
+
+    request_id: str
+    prompt_token_ids: Sequence[int] = field(repr=False)
+
+
+class RoutingPolicy(ABC):
+    """Orders candidate nodes of one role for one request, best first.
+
+    Called on the event loop for every request: it must not block or do I/O. ``candidates``
+    is non-empty; the result holds each candidate at most once, and the proxy tries them in
+    that order while one is full or unreachable. Policies read ``NodeState`` (in-flight
+    counts, last polled load, info) and never modify it.
+    """
+
+    @abstractmethod
+    def rank(self, role: str, candidates: Sequence[NodeState], route: RouteRequest) -> list[NodeState]: ...
+
+
+class LeastLoaded(RoutingPolicy):
+    """Fewest requests first; decode ties go to the node with the most free KV blocks, and
+    remaining ties rotate so idle nodes share the work."""
+
+    def __init__(self) -> None:
+        self._turn = {"prefill": itertools.count(), "decode": itertools.count()}
+
+    def rank(self, role: str, candidates: Sequence[NodeState], route: RouteRequest) -> list[NodeState]:
+        n = len(candidates)
+        start = next(self._turn[role]) % n
+
+        def key(i: int) -> tuple:
+            node = candidates[i]
+            free = -node.free_block_fraction if role == "decode" else 0.0
+            return (node.load_score, free, (i - start) % n)
+
+        return [candidates[i] for i in sorted(range(n), key=key)]
+
+
+class RoundRobin(RoutingPolicy):
+    """Each request starts one node further along the list."""
+
+    def __init__(self) -> None:
+        self._turn = {"prefill": itertools.count(), "decode": itertools.count()}
+
+    def rank(self, role: str, candidates: Sequence[NodeState], route: RouteRequest) -> list[NodeState]:
+        start = next(self._turn[role]) % len(candidates)
+        return list(candidates[start:]) + list(candidates[:start])
+
+
+POLICIES: dict[str, type[RoutingPolicy]] = {"least-loaded": LeastLoaded, "round-robin": RoundRobin}
+
+
+class Router:
+    """Node registry, start-up compatibility check, load poller and the routing policy."""
+
+    def __init__(
+        self,
+        prefill_urls: Sequence[str],
+        decode_urls: Sequence[str],
+        http: httpx.AsyncClient,
+        cluster_token: str = "",
+        policy: RoutingPolicy | None = None,
+        poll_interval_s: float = 1.0,
+    ) -> None:
+        self.prefill = [NodeState(u, "prefill", NodeClient(u, http, cluster_token)) for u in prefill_urls]
+        self.decode = [NodeState(u, "decode", NodeClient(u, http, cluster_token)) for u in decode_urls]
+        self.policy = policy or LeastLoaded()
+        self.poll_interval_s = poll_interval_s
+        self.reference: NodeInfo | None = None  # the info every node is checked against
+        self._poller: asyncio.Task | None = None
+
+    @property
+    def nodes(self) -> list[NodeState]:
+        return self.prefill + self.decode
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest prompt + output every node accepts."""
+        lens = [n.info.max_model_len for n in self.nodes if n.info is not None and not n.incompatible]
+        return min(lens) if lens else 0
+
+    @property
+    def vocab_size(self) -> int:
+        return self.reference.vocab_size if self.reference is not None else 0
+
+    # -- start-up ----------------------------------------------------------------------------
+
+    async def start(self, model_id: str | None, timeout_s: float) -> None:
+        """Wait for every node's info, check the cluster, start polling; raises ClusterError."""
+        await self._fetch_all_info(timeout_s)
+        self.check_cluster(model_id)
+        self.reference = self.prefill[0].info
+        for node in self.nodes:
+            node.up = True
+            node.load_time = time.monotonic()
+        self._poller = asyncio.ensure_future(self._poll_forever())
+
+    async def close(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+            await asyncio.gather(self._poller, return_exceptions=True)
+            self._poller = None
+
+    async def _fetch_all_info(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        pending = list(self.nodes)
+        next_log = time.monotonic() + 5.0
+        while True:
+            results = await asyncio.gather(
+                *(n.client.info(timeout=min(5.0, timeout_s)) for n in pending), return_exceptions=True
+            )
+            still = []
+            for node, result in zip(pending, results):
+                if isinstance(result, NodeInfo):
+                    node.info = result
+                    continue
+                if isinstance(result, NodeError) and 400 <= result.status < 500:
+                    hint = " (check --cluster-token)" if result.status in (401, 403) else ""
+                    raise ClusterError(
+                        f"{node.role} node {node.url} refused /internal/info with HTTP {result.status}: "
+                        f"{result.message}{hint}"
+                    )
+                if not isinstance(result, Exception):
+                    raise result  # CancelledError and friends
+                node.last_error = str(result)
+                still.append(node)
+            pending = still
+            if not pending:
+                return
+            now = time.monotonic()
+            if now >= deadline:
+                details = "; ".join(f"{n.role} node {n.url}: {n.last_error}" for n in pending)
+                raise ClusterError(f"nodes did not answer /internal/info within {timeout_s:g} s: {details}")
+            if now >= next_log:
+                logger.info("waiting for %s", ", ".join(f"{n.role} node {n.url}" for n in pending))
+                next_log = now + 10.0
+            await asyncio.sleep(min(0.5, max(0.0, deadline - now)))
+
+    def check_cluster(self, model_id: str | None) -> None:
+        """Raise ClusterError naming the field and both values of any disagreement."""
+        problems = []
+        for node in self.nodes:
+            assert node.info is not None
+            if node.info.role not in ROLES[node.role]:
+                problems.append(
+                    f"{node.url} is listed as a {node.role} node but reports role {node.info.role!r}"
+                )
+            if model_id is not None and node.info.model_id != model_id:
+                problems.append(
+                    f"model_id: the proxy's --model gives {model_id!r} but {node.role} node {node.url} "
+                    f"serves {node.info.model_id!r}"
+                )
+        for p in self.prefill:
+            for d in self.decode:
+                for name, pv, dv in mismatches(p.info, d.info):
+                    if name == "model_id" and model_id is not None:
+                        continue  # already reported against the proxy's model
+                    problems.append(
+                        f"{name}: prefill node {p.url} has {pv!r} but decode node {d.url} has {dv!r}"
+                    )
+        if problems:
+            raise ClusterError("incompatible cluster: " + "; ".join(problems))
+
+    # -- polling -----------------------------------------------------------------------------
+
+    async def _poll_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.poll_interval_s)
+            await asyncio.gather(*(self._poll(n) for n in self.nodes), return_exceptions=True)
+
+    async def _poll(self, node: NodeState) -> None:
+        try:
+            load = await node.client.load(timeout=max(1.0, 2 * self.poll_interval_s))
+            if not node.up:
+                await self._recheck(node)
+        except NodeError as exc:
+            self.mark_down(node, exc.message)
+            return
+        node.load = load
+        node.load_time = time.monotonic()
+        if not node.up:
+            node.up = True
+            logger.info("%s node %s is back", node.role, node.url)
+
+    async def _recheck(self, node: NodeState) -> None:
+        """A node that comes back may have restarted with other settings: compare it again."""
+        info = await node.client.info()
+        problems = [f"{f}: {v!r} instead of {r!r}" for f, v, r in mismatches(info, self.reference)]
+        if info.role not in ROLES[node.role]:
+            problems.append(f"role {info.role!r}")
+        node.info = info
+        reason = "; ".join(problems)
+        if reason and reason != node.incompatible:
+            logger.error("%s node %s came back incompatible, not using it: %s", node.role, node.url, reason)
+        node.incompatible = reason
+
+    def mark_down(self, node: NodeState, error: str) -> None:
+        if node.up:
+            logger.warning("%s node %s is down: %s", node.role, node.url, error)
+        node.up = False
+        node.last_error = error
+
+    # -- routing -----------------------------------------------------------------------------
+
+    def rank(self, role: str, route: RouteRequest) -> list[NodeState]:
+        """Candidates of ``role`` for this request, best first; empty when no node is usable."""
+        nodes = self.prefill if role == "prefill" else self.decode
+        candidates = [n for n in nodes if n.available]
+        if not candidates:
+            # All marked down: they may be back before the next poll, so try them anyway.
+            candidates = [n for n in nodes if n.info is not None and not n.incompatible]
+        if not candidates:
+            return []
+        return self.policy.rank(role, candidates, route)

@@ -1,0 +1,441 @@
+"""The proxy's OpenAI protocol: request validation into SamplingParams, error bodies, and the
+responses and SSE chunks built from TokenEvents (checked against the openai client's types)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pdserve.messages import LogprobsMsg, TokenEvent
+from proxy.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ProxyError,
+    chat_messages,
+    check_model,
+    check_token_ids,
+    error_body,
+    sampling_params,
+    single_prompt,
+)
+from proxy.responses import SSE_DONE, ChatBuilder, CompletionBuilder, TokenStrings, sse
+
+MAX_LEN = 100
+CAP = 32
+
+
+def chat(**kw) -> ChatCompletionRequest:
+    kw.setdefault("messages", [{"role": "user", "content": "hi"}])
+    return ChatCompletionRequest.model_validate(kw)
+
+
+def completion(**kw) -> CompletionRequest:
+    kw.setdefault("prompt", "hi")
+    return CompletionRequest.model_validate(kw)
+
+
+def params(request, num_prompt_tokens=10):
+    return sampling_params(request, num_prompt_tokens, MAX_LEN, CAP)
+
+
+def raises(status: int, param: str | None, fn, *args):
+    with pytest.raises(ProxyError) as info:
+        fn(*args)
+    assert info.value.status == status
+    assert info.value.param == param
+    return info.value
+
+
+# -- requests -> SamplingParams ------------------------------------------------------------
+
+
+def test_defaults_follow_openai_and_vllm():
+    p = params(completion())
+    assert p.max_tokens == 16  # OpenAI's completions default
+    assert (p.temperature, p.top_p, p.top_k, p.min_p, p.seed) == (1.0, 1.0, 0, 0.0, None)
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.0, 0.0, 1.0)
+    assert p.logprobs is None and p.stop == () and not p.ignore_eos and p.skip_special_tokens
+    # chat without max_tokens, or completions with an explicit null: the rest of the context, capped
+    assert params(chat(), 10).max_tokens == CAP
+    assert params(chat(), 90).max_tokens == 10
+    assert params(completion(max_tokens=None), 90).max_tokens == 10
+
+
+def test_fields_map_to_sampling_params():
+    p = params(
+        chat(
+            temperature=0.0,
+            top_p=0.9,
+            top_k=-1,
+            min_p=0.1,
+            seed=7,
+            presence_penalty=0.5,
+            frequency_penalty=-0.5,
+            repetition_penalty=1.2,
+            stop="###",
+            stop_token_ids=[5],
+            ignore_eos=True,
+            max_tokens=20,
+            min_tokens=2,
+            include_stop_str_in_output=True,
+            skip_special_tokens=False,
+            user="u",
+            unknown_field_is_ignored=True,
+        )
+    )
+    assert p.greedy and p.top_p == 0.9 and p.top_k == 0 and p.min_p == 0.1 and p.seed == 7
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.5, -0.5, 1.2)
+    assert p.stop == ("###",) and p.stop_token_ids == (5,) and p.ignore_eos
+    assert p.max_tokens == 20 and p.min_tokens == 2
+    assert p.include_stop_str_in_output and not p.skip_special_tokens
+    assert params(completion(stop=["a", "b"])).stop == ("a", "b")
+
+
+def test_max_completion_tokens_wins_over_max_tokens():
+    assert params(chat(max_tokens=5, max_completion_tokens=7)).max_tokens == 7
+    assert params(chat(max_tokens=5)).max_tokens == 5
+
+
+def test_logprobs_mapping():
+    assert params(chat()).logprobs is None
+    assert params(chat(logprobs=True)).logprobs == 0
+    assert params(chat(logprobs=True, top_logprobs=3)).logprobs == 3
+    assert params(completion(logprobs=2)).logprobs == 2
+    assert params(completion(logprobs=0)).logprobs == 0
+    raises(400, "top_logprobs", params, chat(top_logprobs=2))
+    raises(400, "top_logprobs", params, chat(logprobs=True, top_logprobs=21))
+    raises(400, "logprobs", params, completion(logprobs=21))
+
+
+def test_context_length():
+    e = raises(400, "max_tokens", params, chat(max_tokens=91), 10)
+    assert e.code == "context_length_exceeded"
+    assert "maximum context length is 100 tokens" in e.message and "(10 in the input, 91" in e.message
+    assert params(chat(max_tokens=90), 10).max_tokens == 90
+    raises(400, "messages", params, chat(), 100)
+    raises(400, "prompt", params, completion(max_tokens=None), 120)
+    raises(400, "max_completion_tokens", params, chat(max_completion_tokens=0))
+    raises(400, "max_tokens", params, completion(max_tokens=-1))
+
+
+@pytest.mark.parametrize(
+    "request_, param",
+    [
+        (chat(n=2), "n"),
+        (completion(best_of=2), "best_of"),
+        (completion(suffix="x"), "suffix"),
+        (completion(echo=True, logprobs=1), "echo"),
+        (chat(logit_bias={"1": 5.0}), "logit_bias"),
+        (chat(stream_options={"include_usage": True}), "stream_options"),
+        (chat(temperature=-0.5), "temperature"),
+        (chat(top_p=0.0), "top_p"),
+        (chat(min_p=1.5), "min_p"),
+        (chat(presence_penalty=3.0), "presence_penalty"),
+        (chat(repetition_penalty=0.0), "repetition_penalty"),
+        (chat(stop=[""]), "stop"),
+        (chat(min_tokens=50, max_tokens=10), "min_tokens"),
+    ],
+)
+def test_rejected_fields_name_their_param(request_, param):
+    raises(400, param, params, request_)
+
+
+def test_include_usage_only_when_streaming():
+    assert chat(stream=True, stream_options={"include_usage": True}).include_usage
+    assert not chat(stream=True).include_usage
+    assert not chat(stream=True, stream_options={"include_usage": False}).include_usage
+
+
+def test_seed_bounds_are_pydantic_errors():
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError):
+        chat(seed=2**64)
+    assert chat(seed=-1).seed == -1
+
+
+def test_check_model():
+    served = ("smol", "SmolLM2-135M-Instruct")
+    assert check_model(None, served) == "smol"
+    assert check_model("", served) == "smol"
+    assert check_model("SmolLM2-135M-Instruct", served) == "SmolLM2-135M-Instruct"
+    e = raises(404, "model", check_model, "gpt-4", served)
+    assert e.code == "model_not_found" and "`gpt-4`" in e.message
+
+
+def test_single_prompt_forms():
+    assert single_prompt(completion(prompt="abc")) == "abc"
+    assert single_prompt(completion(prompt=["abc"])) == "abc"
+    assert single_prompt(completion(prompt=[1, 2, 3])) == [1, 2, 3]
+    assert single_prompt(completion(prompt=[[4, 5]])) == [4, 5]
+    assert single_prompt(completion(prompt=["1"])) == "1"  # a string stays a string
+    raises(400, "prompt", single_prompt, completion(prompt=["a", "b"]))
+    raises(400, "prompt", single_prompt, completion(prompt=[[1], [2]]))
+    raises(400, "prompt", single_prompt, completion(prompt=""))
+    raises(400, "prompt", single_prompt, completion(prompt=[]))
+    check_token_ids([0, 9], 10)
+    raises(400, "prompt", check_token_ids, [0, 10], 10)
+    raises(400, "prompt", check_token_ids, [-1], 10)
+
+
+def test_chat_messages_flatten_text_parts_and_refuse_the_rest():
+    req = chat(
+        messages=[
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+            {"role": "assistant", "content": None, "name": "bot"},
+        ],
+        tools=[{"type": "function", "function": {"name": "f"}}],
+        tool_choice="none",
+        response_format={"type": "text"},
+    )
+    assert chat_messages(req) == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "a\nb"},
+        {"role": "assistant", "content": "", "name": "bot"},
+    ]
+    image = [{"type": "image_url", "image_url": {"url": "http://x"}}]
+    raises(400, "messages[0].content", chat_messages, chat(messages=[{"role": "user", "content": image}]))
+    raises(400, "tools", chat_messages, chat(tools=[{"type": "function", "function": {"name": "f"}}]))
+    raises(400, "response_format", chat_messages, chat(response_format={"type": "json_object"}))
+
+
+def test_error_body_and_retry_after():
+    assert error_body(400, "bad", param="n") == {
+        "error": {"message": "bad", "type": "invalid_request_error", "param": "n", "code": None}
+    }
+    assert error_body(502, "x")["error"]["type"] == "server_error"
+    e = ProxyError(429, "full", retry_after=0.2)
+    assert e.body()["error"]["type"] == "rate_limit_error"
+    assert e.headers == {"retry-after": "1"}
+    assert ProxyError(503, "x").headers == {}
+
+
+# -- TokenEvents -> responses and SSE ------------------------------------------------------
+
+
+class ByteLevel:  # stands in for tokenizers.decoders.ByteLevel, found by class name
+    pass
+
+
+class StubTokenizer:
+    """Ids 0-2 are words, 3 and 4 the two halves of 'é' in byte-level BPE, 9 a special token."""
+
+    pieces = {0: "Hello", 1: "Ġworld", 2: "!", 3: "Ã", 4: "©", 9: "<|im_end|>"}
+    texts = {0: "Hello", 1: " world", 2: "!", 3: "\ufffd", 4: "\ufffd", 9: "<|im_end|>"}
+
+    class backend_tokenizer:  # noqa: N801 - mirrors the HF attribute
+        decoder = ByteLevel()
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(self.texts[i] for i in ids)
+
+    def convert_ids_to_tokens(self, token_id):
+        return self.pieces[token_id]
+
+
+def event(ids, text, finish=None, logprobs=None, cached=4, stop_reason=None) -> TokenEvent:
+    lps = None
+    if logprobs is not None:
+        lps = [LogprobsMsg(t, -0.5, 1, [(t, -0.5), (2, -1.0), (0, -2.0)][:logprobs]) for t in ids]
+    return TokenEvent(
+        "r1",
+        ids,
+        text,
+        logprobs=lps,
+        finish_reason=finish,
+        stop_reason=stop_reason,
+        num_prompt_tokens=7,
+        num_cached_tokens=cached,
+    )
+
+
+EVENTS = [event([0], "Hello"), event([1], " world"), event([2, 9], "!", finish="stop", stop_reason=9)]
+
+
+def parse_sse(chunks: list[bytes]) -> list:
+    out = []
+    for chunk in chunks:
+        assert chunk.startswith(b"data: ") and chunk.endswith(b"\n\n")
+        body = chunk[len(b"data: ") : -2]
+        out.append("[DONE]" if body == b"[DONE]" else json.loads(body))
+    return out
+
+
+def run_stream(builder, events) -> list:
+    chunks = builder.start()
+    for ev in events:
+        c = builder.add(ev)
+        if c is not None:
+            chunks.append(c)
+    return parse_sse(chunks + builder.finish())
+
+
+def builder(cls, stream=False, **kw):
+    kw.setdefault("token_strings", TokenStrings(StubTokenizer()))
+    return cls("id-1", "smol", 1700000000, 7, stream=stream, **kw)
+
+
+def test_chat_response_and_usage():
+    b = builder(ChatBuilder)
+    for ev in EVENTS:
+        assert b.add(ev) is None
+    body = json.loads(b.response().model_dump_json())
+    assert body == {
+        "id": "id-1",
+        "object": "chat.completion",
+        "created": 1700000000,
+        "model": "smol",
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "Hello world!", "refusal": None},
+                "logprobs": None,
+                "finish_reason": "stop",
+                "stop_reason": 9,
+            }
+        ],
+        "usage": {
+            "prompt_tokens": 7,
+            "completion_tokens": 4,
+            "total_tokens": 11,
+            "prompt_tokens_details": {"cached_tokens": 4},
+        },
+        "system_fingerprint": None,
+    }
+    openai = pytest.importorskip("openai")
+    parsed = openai.types.chat.ChatCompletion.model_validate(body)
+    assert parsed.usage.prompt_tokens_details.cached_tokens == 4
+
+
+def test_chat_stream_chunks():
+    chunks = run_stream(builder(ChatBuilder, stream=True, include_usage=True), EVENTS)
+    assert chunks[-1] == "[DONE]"
+    first, *content, usage = chunks[:-1]
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert [c["choices"][0]["delta"] for c in content] == [
+        {"content": "Hello"},
+        {"content": " world"},
+        {"content": "!"},
+    ]
+    assert [c["choices"][0]["finish_reason"] for c in content] == [None, None, "stop"]
+    assert all(c["object"] == "chat.completion.chunk" and c["id"] == "id-1" for c in chunks[:-1])
+    assert all("usage" not in c for c in chunks[:-2])
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 4
+    assert usage["usage"]["prompt_tokens_details"] == {"cached_tokens": 4}
+    openai = pytest.importorskip("openai")
+    for c in chunks[:-1]:
+        openai.types.chat.ChatCompletionChunk.model_validate(c)
+
+
+def test_stream_without_usage_ends_with_done_only():
+    chunks = run_stream(builder(ChatBuilder, stream=True), EVENTS)
+    assert chunks[-1] == "[DONE]" and chunks[-2]["choices"][0]["finish_reason"] == "stop"
+    assert all("usage" not in c for c in chunks[:-1])
+
+
+def test_empty_text_events_are_skipped_unless_they_finish_or_carry_logprobs():
+    events = [event([3], ""), event([4], "é"), event([9], "", finish="stop")]
+    chunks = run_stream(builder(ChatBuilder, stream=True), events)
+    deltas = [c["choices"][0]["delta"] for c in chunks[1:-1]]
+    assert deltas == [{"content": "é"}, {"content": ""}]
+    events = [
+        event([3], "", logprobs=0),
+        event([4], "é", logprobs=0),
+        event([9], "", finish="stop", logprobs=0),
+    ]
+    chunks = run_stream(builder(ChatBuilder, stream=True, logprobs=0), events)
+    assert len(chunks) == 5  # role, 3 events, [DONE]
+
+
+def test_chat_logprobs_with_true_bytes():
+    b = builder(ChatBuilder, logprobs=2)
+    b.add(event([1], " world", logprobs=2))
+    b.add(event([3, 4], "é", finish="length", logprobs=2))
+    body = json.loads(b.response().model_dump_json())
+    content = body["choices"][0]["logprobs"]["content"]
+    assert [c["token"] for c in content] == [" world", "\ufffd", "\ufffd"]
+    assert content[0]["bytes"] == list(b" world")
+    assert bytes(content[1]["bytes"] + content[2]["bytes"]).decode() == "é"  # halves reassemble
+    assert content[0]["top_logprobs"] == [
+        {"token": " world", "logprob": -0.5, "bytes": list(b" world")},
+        {"token": "!", "logprob": -1.0, "bytes": [33]},
+    ]
+    openai = pytest.importorskip("openai")
+    openai.types.chat.ChatCompletion.model_validate(body)
+
+
+def test_completion_response_logprobs_and_offsets():
+    b = builder(CompletionBuilder, logprobs=1)
+    for ev in [event([0], "Hello", logprobs=1), event([1], " world", finish="length", logprobs=1)]:
+        b.add(ev)
+    body = json.loads(b.response().model_dump_json())
+    choice = body["choices"][0]
+    assert body["object"] == "text_completion" and choice["text"] == "Hello world"
+    assert choice["finish_reason"] == "length" and choice["stop_reason"] is None
+    assert choice["logprobs"] == {
+        "text_offset": [0, 5],
+        "token_logprobs": [-0.5, -0.5],
+        "tokens": ["Hello", " world"],
+        "top_logprobs": [{"Hello": -0.5}, {" world": -0.5}],
+    }
+    assert body["usage"]["total_tokens"] == 9
+    openai = pytest.importorskip("openai")
+    openai.types.Completion.model_validate(body)
+
+
+def test_completion_top_logprobs_always_list_the_sampled_token():
+    b = builder(CompletionBuilder, logprobs=0)
+    b.add(event([1], " world", finish="stop", logprobs=0))
+    assert b.response().choices[0].logprobs.top_logprobs == [{" world": -0.5}]
+    b = builder(CompletionBuilder, logprobs=2)
+    lp = LogprobsMsg(1, -3.0, 3, [(0, -0.1), (2, -0.2)])
+    b.add(TokenEvent("r1", [1], " world", logprobs=[lp], finish_reason="stop"))
+    assert b.response().choices[0].logprobs.top_logprobs == [{"Hello": -0.1, "!": -0.2, " world": -3.0}]
+
+
+def test_completion_stream_with_echo_and_usage():
+    b = builder(CompletionBuilder, stream=True, include_usage=True, echo_text="Say: ")
+    chunks = run_stream(b, EVENTS)
+    assert [c["choices"][0]["text"] for c in chunks[:3]] == ["Say: Hello", " world", "!"]
+    assert chunks[2]["choices"][0]["finish_reason"] == "stop"
+    assert chunks[3]["choices"] == [] and chunks[3]["usage"]["completion_tokens"] == 4
+    assert chunks[4] == "[DONE]"
+    openai = pytest.importorskip("openai")
+    # openai's Completion type (used for chunks too) insists on a finish_reason, which only
+    # the last content chunk has; OpenAI's own intermediate chunks carry null as well.
+    for c in chunks[2:-1]:
+        openai.types.Completion.model_validate(c)
+
+
+def test_non_stream_echo():
+    b = builder(CompletionBuilder, echo_text="Say: ")
+    for ev in EVENTS:
+        b.add(ev)
+    assert b.response().choices[0].text == "Say: Hello world!"
+
+
+def test_cached_tokens_take_the_largest_report():
+    b = builder(ChatBuilder)
+    b.add(event([0], "a", cached=0))
+    b.add(event([1], "b", cached=16, finish="stop"))
+    assert b.usage().prompt_tokens_details.cached_tokens == 16
+
+
+def test_logprob_floor_and_no_tokenizer_strings():
+    strings = TokenStrings(None)
+    assert strings.string(42) == "token_id:42"
+    b = builder(ChatBuilder, logprobs=0, token_strings=strings)
+    b.add(TokenEvent("r1", [42], "", logprobs=[LogprobsMsg(42, float("-inf"), 9, [])], finish_reason="stop"))
+    content = b.response().choices[0].logprobs.content
+    assert content[0].token == "token_id:42" and content[0].logprob == -9999.0
+
+
+def test_sse_of_errors():
+    chunk = sse(ProxyError(502, "prefill failed").body())
+    assert (
+        chunk
+        == b'data: {"error":{"message":"prefill failed","type":"server_error","param":null,"code":null}}\n\n'
+    )
+    assert SSE_DONE == b"data: [DONE]\n\n"

@@ -1,0 +1,105 @@
+"""The proxy's cluster view: compatibility check at start-up and routing policies (no I/O)."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from pdserve.messages import NodeInfo, NodeLoad
+from proxy.router import ClusterError, LeastLoaded, RoundRobin, Router, RouteRequest, mismatches
+
+
+def info(role: str, **kw) -> NodeInfo:
+    fields = dict(
+        node_id=role,
+        role=role,
+        model_id="m",
+        dtype="float32",
+        block_size=16,
+        num_layers=2,
+        num_kv_heads=2,
+        head_dim=64,
+        kv_layout="LBTHD",
+        kv_transport="zmq",
+        kv_address="",
+        max_model_len=4096,
+        vocab_size=100,
+    )
+    fields.update(kw)
+    return NodeInfo(**fields)
+
+
+def router(prefill: list[NodeInfo], decode: list[NodeInfo]) -> Router:
+    r = Router(
+        [f"http://p{i}" for i in range(len(prefill))],
+        [f"http://d{i}" for i in range(len(decode))],
+        httpx.AsyncClient(),
+    )
+    for node, i in zip(r.nodes, prefill + decode):
+        node.info = i
+        node.up = True
+    return r
+
+
+def test_compatible_cluster_passes_and_takes_the_smallest_max_model_len():
+    r = router([info("prefill", max_model_len=2048)], [info("decode"), info("both", node_id="x")])
+    r.check_cluster("m")
+    assert r.max_model_len == 2048
+
+
+def test_mismatch_names_the_field_both_values_and_both_nodes():
+    assert mismatches(info("prefill"), info("decode", block_size=32)) == [("block_size", 16, 32)]
+    r = router([info("prefill")], [info("decode"), info("decode", block_size=32, dtype="bfloat16")])
+    with pytest.raises(ClusterError) as e:
+        r.check_cluster("m")
+    msg = str(e.value)
+    assert "block_size: prefill node http://p0 has 16 but decode node http://d1 has 32" in msg
+    assert "dtype: prefill node http://p0 has 'float32' but decode node http://d1 has 'bfloat16'" in msg
+    assert "http://d0" not in msg
+
+
+def test_model_and_role_mismatches():
+    r = router([info("prefill", model_id="other")], [info("decode")])
+    expected = "the proxy's --model gives 'm' but prefill node http://p0 serves 'other'"
+    with pytest.raises(ClusterError, match=expected):
+        r.check_cluster("m")
+    r = router([info("decode")], [info("decode")])
+    with pytest.raises(ClusterError, match="http://p0 is listed as a prefill node but reports role 'decode'"):
+        r.check_cluster("m")
+
+
+def test_least_loaded_prefers_fewer_requests_then_free_blocks_then_rotates():
+    r = router([info("prefill")], [info("decode"), info("decode"), info("decode")])
+    d0, d1, d2 = r.decode
+    route = RouteRequest("r", [1, 2, 3])
+    d0.num_inflight = 2
+    d1.load = NodeLoad(running=1, waiting=0, waiting_for_kv=0, free_blocks=10, total_blocks=100)
+    d2.load = NodeLoad(running=0, waiting=1, waiting_for_kv=0, free_blocks=50, total_blocks=100)
+    assert LeastLoaded().rank("decode", r.decode, route) == [d2, d1, d0]
+    # Polled load from other proxies counts when it exceeds our own in-flight count.
+    d2.load = NodeLoad(running=5, waiting=0, waiting_for_kv=0, free_blocks=50, total_blocks=100)
+    assert LeastLoaded().rank("decode", r.decode, route)[0] is d1
+    # Idle ties rotate per role, so prefill routing does not skew decode routing.
+    for n in r.decode:
+        n.num_inflight, n.load = 0, None
+    policy = LeastLoaded()
+    firsts = []
+    for _ in range(3):
+        firsts.append(policy.rank("decode", r.decode, route)[0])
+        policy.rank("prefill", r.prefill, route)
+    assert firsts == [d0, d1, d2]
+
+
+def test_round_robin_and_unavailable_nodes():
+    r = router([info("prefill")], [info("decode"), info("decode")])
+    r.policy = RoundRobin()
+    route = RouteRequest("r", [1])
+    d0, d1 = r.decode
+    assert r.rank("decode", route) == [d0, d1]
+    assert r.rank("decode", route) == [d1, d0]
+    d1.up = False
+    assert r.rank("decode", route) == [d0]
+    d0.incompatible = "block_size: 32 instead of 16"
+    assert r.rank("decode", route) == [d1]  # all down: try the compatible ones anyway
+    d1.incompatible = "dtype"
+    assert r.rank("decode", route) == []
