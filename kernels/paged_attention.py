@@ -12,12 +12,14 @@ The reference gathers each request's blocks into a contiguous tensor (it moves t
 whole context once per call) and calls SDPA; decode rows are batched together.
 ``paged_attention`` is its Triton twin: it reads K/V in place through the block table,
 with a flash-attention kernel for prefill/mixed batches and a split-K (flash-decoding)
-kernel for pure decode batches; see the comment above the kernels.
+kernel for pure decode batches; see the comment above the kernels. ``StaticDecodePlan``
+makes the decode launch depend on the batch size alone, for CUDA graphs.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -115,6 +117,12 @@ def paged_attention_ref(
 # context is split into partitions handled by parallel programs (flash-decoding); each writes
 # its normalised partial output and (max, sum), and a reduce kernel combines the partitions:
 # out = sum_p(l_p * 2^(m_p - M) * o_p) / sum_p(l_p * 2^(m_p - M)),  M = max_p m_p.
+#
+# Eager launches size the partition from the batch's longest context (a host int), so the grid
+# and constexprs change from step to step. With SPLIT_ON_DEVICE (CUDA graphs) the grid is fixed
+# at NUM_SPLITS partitions per request and each program sizes its request's partition from
+# seq_len: tile-aligned, at least PARTITION positions, at most NUM_SPLITS of them; programs past
+# the context exit at once and the reduce reads only the partitions that were written.
 # ---------------------------------------------------------------------------------------------
 
 LOG2E = 1.4426950408889634
@@ -315,8 +323,9 @@ def _decode_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
-    PARTITION: tl.constexpr,  # context positions per split, a multiple of TILE_N
+    PARTITION: tl.constexpr,  # positions per split (the least, with SPLIT_ON_DEVICE), a multiple of TILE_N
     NUM_SPLITS: tl.constexpr,
+    SPLIT_ON_DEVICE: tl.constexpr,  # size the partition from this request's seq_len
     DOT_PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -326,10 +335,14 @@ def _decode_kernel(
     if tl.load(query_start_ptr + seq + 1) == q_start:  # request without a new token this step
         return
     seq_len = tl.load(seq_lens_ptr + seq)
-    ctx_lo = split * PARTITION
+    if SPLIT_ON_DEVICE:
+        partition = tl.maximum(tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), TILE_N) * TILE_N, PARTITION)
+    else:
+        partition = PARTITION
+    ctx_lo = split * partition
     if ctx_lo >= seq_len:  # this request's context is shorter than the split count covers
         return
-    ctx_hi = tl.minimum(ctx_lo + PARTITION, seq_len)
+    ctx_hi = tl.minimum(ctx_lo + partition, seq_len)
 
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
@@ -385,6 +398,8 @@ def _decode_reduce_kernel(
     PARTITION: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
+    SPLIT_ON_DEVICE: tl.constexpr,
+    TILE_N: tl.constexpr,
 ):
     """Combine one (request, query head)'s partitions: reads NUM_SPLITS * (D + 2) fp32, writes D."""
     seq = tl.program_id(0)
@@ -392,7 +407,12 @@ def _decode_reduce_kernel(
     q_start = tl.load(query_start_ptr + seq)
     if tl.load(query_start_ptr + seq + 1) == q_start:
         return
-    num_parts = tl.cdiv(tl.load(seq_lens_ptr + seq), PARTITION)  # partitions that were written
+    seq_len = tl.load(seq_lens_ptr + seq)
+    if SPLIT_ON_DEVICE:  # the decode kernel's partition, sized the same way
+        partition = tl.maximum(tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), TILE_N) * TILE_N, PARTITION)
+    else:
+        partition = PARTITION
+    num_parts = tl.cdiv(seq_len, partition)  # partitions that were written
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, BLOCK_D)
     s_ok = offs_s < num_parts
@@ -470,13 +490,15 @@ def paged_attention(
     out: torch.Tensor | None = None,  # [T, Hq, D], q's dtype
     *,
     num_splits: int | None = None,
+    static: StaticDecodePlan | None = None,
 ) -> torch.Tensor:  # [T, Hq, D]
     """Triton twin of :func:`paged_attention_ref`, with the batch described by device tensors.
 
     ``max_query_len`` and ``max_seq_len`` are host ints (the scheduler knows them) so that
     choosing kernels and grids needs no device sync. ``max_query_len == 1`` runs the split-K
     decode kernel (``num_splits`` context partitions per request; None picks from the batch
-    shape and the SM count), anything else runs the prefill kernel. The caller guarantees what
+    shape and the SM count; ``static`` fixes the launch for CUDA graphs, see
+    :class:`StaticDecodePlan`), anything else runs the prefill kernel. The caller guarantees what
     the reference asserts: ``query_start_loc[B] == T``, ``L_b <= seq_lens[b] <= max_seq_len``,
     block tables cover each context.
     """
@@ -486,13 +508,39 @@ def paged_attention(
     if q.shape[0] == 0 or seq_lens.shape[0] == 0:
         return out
     assert 1 <= max_query_len <= max_seq_len, (max_query_len, max_seq_len)
+    assert static is None or max_query_len == 1, "a StaticDecodePlan serves pure decode batches only"
     if max_query_len == 1:
         _launch_decode(
-            q, kv_cache, block_tables, seq_lens, query_start_loc, scale, max_seq_len, out, num_splits
+            q, kv_cache, block_tables, seq_lens, query_start_loc, scale, max_seq_len, out, num_splits, static
         )
     else:
         _launch_prefill(q, kv_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len, out)
     return out
+
+
+@dataclass(frozen=True)
+class StaticDecodePlan:
+    """A split-K decode launch that depends on the batch size alone: what a CUDA graph needs.
+
+    ``num_splits`` is fixed for the batch size (enough for the GPU at the longest context the
+    graph will see) and each program sizes its own request's partition on the device, so one
+    capture serves every context up to ``max_seq_len``. The partial buffers are carved from
+    ``workspace`` (flat fp32, allocated once, may be shared by plans that never run at once)
+    instead of being allocated per call; it may be None when ``num_splits == 1``.
+    """
+
+    num_splits: int
+    workspace: torch.Tensor | None = None
+
+    @staticmethod
+    def num_splits_for(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
+        """The eager heuristic's split count at the longest context: short contexts use fewer."""
+        return _decode_num_splits(num_seqs, num_kv_heads, max_seq_len, _num_sms(device))
+
+    @staticmethod
+    def workspace_numel(num_seqs: int, num_heads: int, head_dim: int, num_splits: int) -> int:
+        """fp32 elements of the partials: [B, Hq, splits, D] outputs then [B, Hq, splits, 2] (max, sum)."""
+        return 0 if num_splits == 1 else num_seqs * num_heads * num_splits * (head_dim + 2)
 
 
 def prefill_config(
@@ -526,6 +574,7 @@ def decode_config(
     dtype: torch.dtype,
     num_splits: int,
     partition: int,
+    split_on_device: bool = False,
 ) -> dict:
     """Constexprs and launch options of ``_decode_kernel``."""
     group = num_heads // num_kv_heads
@@ -535,16 +584,17 @@ def decode_config(
     return dict(
         GROUP=group, BLOCK_H=block_h, TILE_N=DECODE_TILE_N, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_SIZE=block_size, PARTITION=partition, NUM_SPLITS=num_splits,
-        DOT_PRECISION=_dot_precision(dtype), num_warps=4,
+        SPLIT_ON_DEVICE=split_on_device, DOT_PRECISION=_dot_precision(dtype), num_warps=4,
         num_stages=_pipeline_stages(2 * DECODE_TILE_N * block_d * itemsize, block_h * block_d * itemsize),
     )  # fmt: skip
 
 
-def reduce_config(head_dim: int, num_splits: int, partition: int) -> dict:
+def reduce_config(head_dim: int, num_splits: int, partition: int, split_on_device: bool = False) -> dict:
     """Constexprs and launch options of ``_decode_reduce_kernel``."""
     return dict(
         HEAD_DIM=head_dim, BLOCK_D=max(MIN_DOT, triton.next_power_of_2(head_dim)), PARTITION=partition,
-        NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4,
+        NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
+        SPLIT_ON_DEVICE=split_on_device, TILE_N=DECODE_TILE_N, num_warps=4,
     )  # fmt: skip
 
 
@@ -569,10 +619,14 @@ def decode_partition(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms
     """(num_splits, partition) for split-K decode: enough programs for ``DECODE_PROGRAMS_PER_SM``
     per SM, each reading at least ``DECODE_MIN_PARTITION`` positions; partition is a multiple of
     the tile."""
+    return _partition(_decode_num_splits(num_seqs, num_kv_heads, max_seq_len, num_sms), max_seq_len)
+
+
+def _decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
     programs = num_seqs * num_kv_heads
     want = triton.cdiv(DECODE_PROGRAMS_PER_SM * num_sms, programs)
     most = triton.cdiv(max_seq_len, DECODE_MIN_PARTITION)
-    return _partition(max(1, min(want, most, DECODE_MAX_SPLITS)), max_seq_len)
+    return max(1, min(want, most, DECODE_MAX_SPLITS))
 
 
 def _partition(num_splits: int, max_seq_len: int) -> tuple[int, int]:
@@ -580,22 +634,28 @@ def _partition(num_splits: int, max_seq_len: int) -> tuple[int, int]:
     return triton.cdiv(max_seq_len, partition), partition
 
 
-def _launch_decode(q, kv_cache, block_tables, seq_lens, query_start_loc, scale, max_seq_len, out, num_splits):
+def _launch_decode(
+    q, kv_cache, block_tables, seq_lens, query_start_loc, scale, max_seq_len, out, num_splits, static
+):
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
     num_seqs = seq_lens.shape[0]
-    if num_splits is None:
+    split_on_device = static is not None
+    if static is not None:
+        assert num_splits is None, "a StaticDecodePlan fixes num_splits"
+        num_splits, partition = static.num_splits, DECODE_MIN_PARTITION
+    elif num_splits is None:
         num_splits, partition = decode_partition(num_seqs, num_kv_heads, max_seq_len, _num_sms(q.device))
     else:
         assert num_splits >= 1, num_splits
         num_splits, partition = _partition(num_splits, max_seq_len)
     if num_splits > 1:
-        f32 = dict(dtype=torch.float32, device=q.device)
-        part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, **f32)  # [B, Hq, splits, D]
-        part_ml = torch.empty(num_seqs, num_heads, num_splits, 2, **f32)  # [B, Hq, splits, (max, sum)]
+        part_out, part_ml = _partials(num_seqs, num_heads, head_dim, num_splits, q.device, static)
     else:  # the decode kernel writes `out` directly; the partial pointers are unused
         part_out = part_ml = out
-    config = decode_config(num_heads, num_kv_heads, head_dim, block_size, q.dtype, num_splits, partition)
+    config = decode_config(
+        num_heads, num_kv_heads, head_dim, block_size, q.dtype, num_splits, partition, split_on_device
+    )
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, kv_cache, block_tables, seq_lens, query_start_loc, out, part_out, part_ml,
         scale * LOG2E,
@@ -607,5 +667,26 @@ def _launch_decode(q, kv_cache, block_tables, seq_lens, query_start_loc, scale, 
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             part_out, part_ml, seq_lens, query_start_loc, out, out.stride(0), out.stride(1),
-            **reduce_config(head_dim, num_splits, partition),
+            **reduce_config(head_dim, num_splits, partition, split_on_device),
         )  # fmt: skip
+
+
+def _partials(num_seqs, num_heads, head_dim, num_splits, device, static):
+    """Split-K partial buffers: [B, Hq, splits, D] outputs and [B, Hq, splits, (max, sum)], fp32."""
+    if static is None:
+        f32 = dict(dtype=torch.float32, device=device)
+        part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, **f32)
+        part_ml = torch.empty(num_seqs, num_heads, num_splits, 2, **f32)
+        return part_out, part_ml
+    numel = num_seqs * num_heads * num_splits * head_dim
+    need = StaticDecodePlan.workspace_numel(num_seqs, num_heads, head_dim, num_splits)
+    ws = static.workspace
+    assert ws is not None and ws.dtype == torch.float32 and ws.device == device and ws.numel() >= need, (
+        "the plan's workspace is missing or too small",
+        None if ws is None else (ws.dtype, ws.device, ws.numel()),
+        need,
+    )
+    assert ws.is_contiguous()
+    part_out = ws[:numel].view(num_seqs, num_heads, num_splits, head_dim)
+    part_ml = ws[numel:need].view(num_seqs, num_heads, num_splits, 2)
+    return part_out, part_ml

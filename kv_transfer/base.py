@@ -159,14 +159,18 @@ class KVSender(ABC):
         self,
         address: str,
         info: NodeInfo,
+        request_id: str,
         src_block_ids: Sequence[int],
         dst_block_ids: Sequence[int],
-        commit: KVCommit,
+        commit: KVCommit | None,
         timeout: float,
-    ) -> Future[KVAck]:
+    ) -> Future[KVAck | None]:
         """Copy the blocks out of the local cache now (the caller may free them once this returns),
-        then deliver them and the commit; the future resolves to the peer's ack or raises
-        ``KVTransferError``."""
+        then deliver them. Without a commit, more blocks of the request follow in later calls (a
+        prompt sent chunk by chunk while it is computed) and the future resolves to None once
+        the frames are out; with one, the future resolves to the peer's ack after it checked that
+        every block of the reservation landed. Failures raise ``KVTransferError``; blocks of a
+        failed partial send make the final commit fail, so partial KV is never used."""
 
     @abstractmethod
     def close(self) -> None: ...

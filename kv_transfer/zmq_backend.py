@@ -165,9 +165,10 @@ class ZmqReceiver(KVReceiver):
 @dataclass
 class _Job:
     info: NodeInfo
+    request_id: str
     staged: torch.Tensor | None  # [L, n, 2, BS, Hkv, D] on the CPU, or None for a bare handshake
     dst_block_ids: list[int]
-    commit: KVCommit | None
+    commit: KVCommit | None  # None: more blocks follow later
     timeout: float
     future: Future
 
@@ -246,15 +247,18 @@ class _Peer:
                 self.refused = f"KV peer {self.address} refused the handshake: {reply.error}"
                 raise KVTransferError(self.refused)
             self.peer_info = reply.info
-        if job.commit is None:
-            return self.peer_info
         staged = job.staged
-        rid = job.commit.request_id
-        bytes_per_layer = staged[0].numel() * staged.element_size()
-        for start, end in _frame_layers(staged.shape[0], bytes_per_layer):
-            part = staged[start:end]
-            header = KVBlocks(rid, job.dst_block_ids, start, end, part.numel() * part.element_size())
-            self._send([encode(header), memoryview(part.view(torch.uint8).numpy())], deadline)
+        if staged is None:
+            return self.peer_info
+        rid = job.request_id
+        if staged.shape[1]:
+            bytes_per_layer = staged[0].numel() * staged.element_size()
+            for start, end in _frame_layers(staged.shape[0], bytes_per_layer):
+                part = staged[start:end]
+                header = KVBlocks(rid, job.dst_block_ids, start, end, part.numel() * part.element_size())
+                self._send([encode(header), memoryview(part.view(torch.uint8).numpy())], deadline)
+        if job.commit is None:
+            return None
         self._waiting_for = rid
         self._send([encode(job.commit)], deadline)
         ack = self._recv(deadline, KVAck)
@@ -287,18 +291,19 @@ class ZmqSender(KVSender):
 
     def handshake(self, address: str, info: NodeInfo, timeout: float) -> NodeInfo:
         fut: Future = Future()
-        self._peer(address).jobs.put(_Job(info, None, [], None, timeout, fut))
+        self._peer(address).jobs.put(_Job(info, "", None, [], None, timeout, fut))
         return fut.result()
 
     def send(
         self,
         address: str,
         info: NodeInfo,
+        request_id: str,
         src_block_ids: Sequence[int],
         dst_block_ids: Sequence[int],
-        commit: KVCommit,
+        commit: KVCommit | None,
         timeout: float,
-    ) -> Future[KVAck]:
+    ) -> Future[KVAck | None]:
         assert self.kv is not None, "register_kv_cache first"
         if len(src_block_ids) != len(dst_block_ids):
             raise KVTransferError(f"{len(src_block_ids)} source blocks for {len(dst_block_ids)} destinations")
@@ -306,7 +311,9 @@ class ZmqSender(KVSender):
         staged = self.kv.index_select(1, idx).cpu()  # [L, n, 2, BS, Hkv, D]: the only copy
         self.bytes_sent += staged.numel() * staged.element_size()
         fut: Future = Future()
-        self._peer(address).jobs.put(_Job(info, staged, list(dst_block_ids), commit, timeout, fut))
+        self._peer(address).jobs.put(
+            _Job(info, request_id, staged, list(dst_block_ids), commit, timeout, fut)
+        )
         return fut
 
     def close(self) -> None:

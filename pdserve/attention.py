@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.kv_write import write_kv_ref
-from kernels.paged_attention import paged_attention_ref
+from kernels.paged_attention import StaticDecodePlan, paged_attention_ref
 
 
 @dataclass
@@ -25,6 +25,10 @@ class AttentionMetadata:
     query_lens: list[int]  # per request: new tokens in this step
     seq_lens_t: torch.Tensor  # [B] int32, on the device
     query_start_loc: torch.Tensor  # [B + 1] int32, on the device: row offsets of each request's queries
+    static_decode: StaticDecodePlan | None = None
+    """Set by CUDA-graph decode steps: the attention launch must not depend on the contexts. The
+    host lists then hold bounds (one query per request, every context ``max_model_len``), not the
+    step's values, which live in the device tensors only."""
 
     @classmethod
     def build(
@@ -84,6 +88,7 @@ class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
     def forward(self, q, k, v, kv_cache, meta, scale):
+        assert meta.static_decode is None, "the torch references read the host lists of the step"
         write_kv_ref(k, v, kv_cache, meta.slot_mapping)
         return paged_attention_ref(q, kv_cache, meta.block_tables, meta.seq_lens, meta.query_lens, scale)
 
@@ -107,6 +112,7 @@ class TritonAttentionBackend(AttentionBackend):
             scale,
             meta.max_query_len,
             meta.max_seq_len,
+            static=meta.static_decode,
         )
 
 

@@ -56,6 +56,8 @@ class ModelConfig:
     """Seeds random-weight presets and the sampler of requests that carry no seed."""
     cache_dir: str = ""
     """Where converted models live; empty means $PDSERVE_CACHE_DIR or ~/.cache/pdserve."""
+    enforce_eager: bool = False
+    """Run every step eagerly; no CUDA graphs."""
 
     @property
     def resolved_cache_dir(self) -> Path:

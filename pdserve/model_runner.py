@@ -1,4 +1,8 @@
-"""Runs the model for one scheduled step: builds the flat token batch, owns the KV cache memory."""
+"""Runs the model for one scheduled step: builds the flat token batch, owns the KV cache memory.
+
+On CUDA, unless ``enforce_eager``, pure-decode steps replay CUDA graphs captured right after the
+KV cache is allocated (``cuda_graphs.py``); prefill and mixed steps run eagerly.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ import torch
 
 from pdserve.attention import AttentionMetadata, get_attention_backend
 from pdserve.config import EngineConfig
+from pdserve.cuda_graphs import DecodeGraphs
 from pdserve.models.arch import ArchConfig
 from pdserve.models.llama import CausalLM
 from pdserve.scheduler import SchedulerOutput
@@ -25,6 +30,7 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.backend = get_attention_backend(self.device)
         self.kv_cache: torch.Tensor | None = None  # [L, NB, 2, BS, Hkv, D]
+        self.graphs: DecodeGraphs | None = None  # captured by allocate_kv_cache on CUDA
 
     @property
     def bytes_per_block(self) -> int:
@@ -51,7 +57,7 @@ class ModelRunner:
         """Peak CUDA memory of one full-budget step, run on a throwaway KV cache."""
         num_tokens = self.config.scheduler.max_num_batched_tokens
         num_blocks = -(-num_tokens // self.block_size)
-        self.allocate_kv_cache(num_blocks)
+        self._bind_kv_cache(num_blocks)
         torch.cuda.reset_peak_memory_stats(self.device)
         meta = AttentionMetadata.build(
             list(range(num_tokens)), [list(range(num_blocks))], [num_tokens], [num_tokens], self.device
@@ -69,6 +75,20 @@ class ModelRunner:
         return peak
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
+        """Allocate and bind the KV cache, then capture the decode graphs (CUDA, not enforce_eager)."""
+        self._bind_kv_cache(num_blocks)
+        if self.device.type == "cuda" and not self.config.model.enforce_eager:
+            self.graphs = DecodeGraphs(
+                self.model,
+                self.backend,
+                max_num_seqs=self.config.scheduler.max_num_seqs,
+                max_model_len=self.config.model.max_model_len,
+                block_size=self.block_size,
+                device=self.device,
+            )
+            self.graphs.capture()
+
+    def _bind_kv_cache(self, num_blocks: int) -> None:
         a = self.arch
         self.kv_cache = torch.zeros(
             a.num_layers,
@@ -109,11 +129,20 @@ class ModelRunner:
         ]
 
         dev = self.device
-        meta = AttentionMetadata.build(slots, table, seq_lens, query_lens, dev)
-        hidden = self.model(
-            torch.tensor(input_ids, dtype=torch.long, device=dev),
-            torch.tensor(positions, dtype=torch.long, device=dev),
-            meta,
-            self.backend,
-        )
+        graphs = self.graphs
+        if (
+            graphs is not None
+            and all(s.num_tokens == 1 for s in out.scheduled)
+            and graphs.bucket_for(len(table)) is not None
+            and max_blocks <= graphs.max_blocks
+        ):
+            hidden = graphs.run(input_ids, positions, slots, seq_lens, table)
+        else:
+            meta = AttentionMetadata.build(slots, table, seq_lens, query_lens, dev)
+            hidden = self.model(
+                torch.tensor(input_ids, dtype=torch.long, device=dev),
+                torch.tensor(positions, dtype=torch.long, device=dev),
+                meta,
+                self.backend,
+            )
         return self.model.compute_logits(hidden[torch.tensor(sample_rows, dtype=torch.long, device=dev)])

@@ -48,6 +48,7 @@ class PrefillNode(NodeState):
         super().__init__(engine_config, node, "prefill")
         self.sender = None
         self._landing: dict[str, LandingDescriptor] = {}  # engine thread only
+        self._blocks_sent: dict[str, int] = {}  # engine thread only: leading blocks already shipped
         self._handshakes: dict[str, asyncio.Future] = {}
         self._transfers: dict[str, asyncio.Future] = {}  # event-loop only
 
@@ -95,10 +96,12 @@ class PrefillNode(NodeState):
 
     def _after_step(self, outputs: list[RequestOutput]) -> None:
         engine = self.engine
+        self._send_finished_chunks(engine)
         for out in outputs:
             if not out.finished:
                 continue
             landing = self._landing.pop(out.request_id, None)
+            sent = self._blocks_sent.pop(out.request_id, 0)
             src = engine.held_block_ids(out.request_id)
             if landing is None or src is None:
                 continue
@@ -116,8 +119,9 @@ class PrefillNode(NodeState):
                 fut = self.sender.send(
                     landing.kv_address,
                     self.info,
-                    src,
-                    landing.block_ids,
+                    out.request_id,
+                    src[sent:],
+                    landing.block_ids[sent:],
                     commit,
                     self.node.kv_transfer_timeout_s,
                 )
@@ -127,6 +131,36 @@ class PrefillNode(NodeState):
             finally:
                 engine.release_held(out.request_id)  # the sender copied the blocks out
             fut.add_done_callback(lambda f, rid=out.request_id, t=started: self._transfer_done(rid, f, t))
+
+    def _send_finished_chunks(self, engine: LLMEngine) -> None:
+        """Ship the full blocks of prompts still being prefilled in chunks, overlapping the rest."""
+        block_size = engine.config.cache.block_size
+        for request_id, landing in self._landing.items():
+            request = engine.scheduler.requests.get(request_id)
+            if (
+                request is None
+                or request.is_finished
+                or request.num_computed_tokens >= request.num_prompt_tokens
+            ):
+                continue  # not started, or done: the finish path sends the rest with the commit
+            ready = min(request.num_computed_tokens // block_size, len(landing.block_ids))
+            sent = self._blocks_sent.get(request_id, 0)
+            if ready <= sent:
+                continue
+            src = engine.scheduler.kv.get_block_ids(request_id)[sent:ready]
+            try:
+                self.sender.send(
+                    landing.kv_address,
+                    self.info,
+                    request_id,
+                    src,
+                    landing.block_ids[sent:ready],
+                    None,
+                    self.node.kv_transfer_timeout_s,
+                )
+            except Exception:  # the commit will report the missing blocks
+                logger.exception("sending finished blocks of %s failed", request_id)
+            self._blocks_sent[request_id] = ready
 
     def _transfer_done(self, request_id: str, fut: Future, started: float) -> None:
         if fut.exception() is None:
@@ -144,6 +178,7 @@ class PrefillNode(NodeState):
 
     def _abort(self, engine: LLMEngine, request_id: str) -> None:
         self._landing.pop(request_id, None)
+        self._blocks_sent.pop(request_id, None)
         engine.abort_request([request_id])
 
 

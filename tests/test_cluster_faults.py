@@ -172,3 +172,30 @@ def test_prefill_node_killed_mid_prompt(cluster):
     assert result["status"] >= 500 and "error" in result["body"], result
     _wait_idle(cluster)  # the decode node released its reservation
     _ask(cluster)  # the surviving prefill node serves
+
+
+def test_long_prompt_sent_chunk_by_chunk_matches_llm(cluster, default_model_dir):
+    """Prefill in 128-token steps ships finished blocks as it goes; the output is unchanged."""
+    from pdserve import LLM, SamplingParams
+
+    prompt = "Summarize the following notes about ships and harbors. " * 40  # ~450 tokens
+    before = {x.role: _metric(x.url, "pdserve_kv_transfer_bytes_total") for x in _nodes(cluster, "prefill")}
+    r = httpx.post(
+        f"{_proxy(cluster)}/v1/completions",
+        json={"model": MODEL, "prompt": prompt, "max_tokens": 16, "temperature": 0},
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
+    llm = LLM(str(default_model_dir), max_num_batched_tokens=128)
+    expected = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=16))[0].outputs[0].text
+    assert r.json()["choices"][0]["text"] == expected
+    after = {x.role: _metric(x.url, "pdserve_kv_transfer_bytes_total") for x in _nodes(cluster, "prefill")}
+    assert sum(after.values()) > sum(before.get(k, 0) for k in after)
+    _wait_idle(cluster)
+
+
+def _metric(url: str, name: str) -> float:
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    return 0.0

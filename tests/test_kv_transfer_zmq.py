@@ -41,7 +41,7 @@ def test_blocks_land_in_reserved_slots(pair):
     src, dst, table, commits, sender, address = pair
     table.add("r1", [7, 2, 9], time.time() + 10)
     ack = sender.send(
-        address, info("prefill-0"), [0, 5, 11], [7, 2, 9], KVCommit("r1", first_token=42), 5
+        address, info("prefill-0"), "r1", [0, 5, 11], [7, 2, 9], KVCommit("r1", first_token=42), 5
     ).result()
     assert ack.ok and [c.first_token for c in commits] == [42]
     for s, d in zip([0, 5, 11], [7, 2, 9]):
@@ -59,12 +59,12 @@ def test_handshake_refuses_mismatch_by_name(pair):
 def test_unreserved_blocks_and_expired_leases_are_refused(pair):
     _, dst, table, commits, sender, address = pair
     table.add("r2", [1], time.time() + 10)
-    fut = sender.send(address, info("p"), [0, 1], [1, 3], KVCommit("r2", 1), 5)  # block 3 not reserved
+    fut = sender.send(address, info("p"), "r2", [0, 1], [1, 3], KVCommit("r2", 1), 5)  # block 3 not reserved
     with pytest.raises(KVTransferError, match="not all reserved"):
         fut.result()
     table.add("r3", [4], time.time() - 1)  # lease already over
     with pytest.raises(KVTransferError, match="lease expired"):
-        sender.send(address, info("p"), [0], [4], KVCommit("r3", 1), 5).result()
+        sender.send(address, info("p"), "r3", [0], [4], KVCommit("r3", 1), 5).result()
     assert dst.abs().sum() == 0 and commits == []
     assert table.expired() == ["r3"]
 
@@ -74,7 +74,7 @@ def test_released_reservation_takes_no_writes(pair):
     table.add("r4", [5], time.time() + 10)
     table.release("r4")
     with pytest.raises(KVTransferError, match="no reservation"):
-        sender.send(address, info("p"), [0], [5], KVCommit("r4", 1), 5).result()
+        sender.send(address, info("p"), "r4", [0], [5], KVCommit("r4", 1), 5).result()
     assert dst.abs().sum() == 0 and commits == []
 
 
@@ -86,6 +86,26 @@ def test_dead_peer_times_out():
     sender.register_kv_cache(torch.zeros(L, NB, 2, BS, H, D))
     start = time.monotonic()
     with pytest.raises(KVTransferError, match="no reply"):
-        sender.send(f"tcp://127.0.0.1:{port}", info("p"), [0], [0], KVCommit("r", 1), 0.5).result()
+        sender.send(f"tcp://127.0.0.1:{port}", info("p"), "r", [0], [0], KVCommit("r", 1), 0.5).result()
     assert time.monotonic() - start < 3
     sender.close()
+
+
+def test_chunked_sends_then_commit(pair):
+    src, dst, table, commits, sender, address = pair
+    table.add("r5", [3, 4, 6, 8], time.time() + 10)
+    p = info("prefill-0")
+    assert sender.send(address, p, "r5", [1, 2], [3, 4], None, 5).result() is None
+    assert sender.send(address, p, "r5", [7], [6], None, 5).result() is None
+    ack = sender.send(address, p, "r5", [9], [8], KVCommit("r5", 3), 5).result()
+    assert ack.ok
+    for s, d in zip([1, 2, 7, 9], [3, 4, 6, 8]):
+        assert torch.equal(dst[:, d], src[:, s])
+
+
+def test_commit_with_missing_blocks_is_refused(pair):
+    _, _, table, commits, sender, address = pair
+    table.add("r6", [3, 4], time.time() + 10)
+    with pytest.raises(KVTransferError, match="never arrived"):
+        sender.send(address, info("p"), "r6", [1], [3], KVCommit("r6", 3), 5).result()
+    assert commits == []

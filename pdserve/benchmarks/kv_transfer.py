@@ -119,7 +119,13 @@ def run(args: argparse.Namespace) -> dict:
             parent.recv()
             t = time.perf_counter()
             ack = sender.send(
-                address, _info("bench-prefill", dtype), list(range(n)), list(range(n)), KVCommit(rid, 0), 60
+                address,
+                _info("bench-prefill", dtype),
+                rid,
+                list(range(n)),
+                list(range(n)),
+                KVCommit(rid, 0),
+                60,
             ).result()
             zmq_times.append(time.perf_counter() - t)
             assert ack.ok, ack.error
