@@ -15,7 +15,6 @@ Per request (see pdserve/messages.py for the numbered protocol):
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 
@@ -39,10 +38,10 @@ from pdserve.messages import (
 )
 from pdserve.node import (
     NodeState,
-    add_common_routes,
     check_token,
     error_response,
     msgpack_response,
+    node_app,
     node_info,
     read_message,
 )
@@ -145,18 +144,7 @@ def _event(out: RequestOutput, sent_tokens: int, sent_text: int, hold: int) -> t
 def create_app(engine_config: EngineConfig, node: NodeConfig) -> FastAPI:
     state = DecodeNode(engine_config, node)
     holdback: dict[str, int] = {}
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI):
-        await state.start()
-        try:
-            yield
-        finally:
-            state.stop()
-
-    app = FastAPI(title="pdserve decode node", lifespan=lifespan)
-    app.state.node = state
-    add_common_routes(app, state)
+    app = node_app(state)
 
     @app.post("/internal/reserve")
     async def reserve(request: Request):

@@ -7,6 +7,7 @@ OpenAI-style JSON bodies with a 4xx/5xx status so the proxy can pass them on.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 
 import msgspec
@@ -138,10 +139,33 @@ class NodeState:
         """KV bytes this node's transport moved; roles override."""
         return 0
 
+    async def start(self) -> None:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
     async def start_engine(self, **loop_hooks) -> LLMEngine:
         self.engine = await asyncio.to_thread(LLMEngine, self.engine_config)
         self.loop = EngineLoop(self.engine, asyncio.get_running_loop(), **loop_hooks)
         return self.engine
+
+
+def node_app(state: NodeState) -> FastAPI:
+    """The FastAPI app of a node: starts and stops it with the server, and serves the shared routes."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await state.start()
+        try:
+            yield
+        finally:
+            state.stop()
+
+    app = FastAPI(title=f"pdserve {state.role} node", lifespan=lifespan)
+    app.state.node = state
+    add_common_routes(app, state)
+    return app
 
 
 def add_common_routes(app: FastAPI, state: NodeState) -> None:

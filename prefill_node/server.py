@@ -17,7 +17,6 @@ Per request (``POST /internal/prefill`` carrying the decode node's landing descr
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import time
@@ -37,7 +36,7 @@ from pdserve.messages import (
     PrefillRequest,
     PrefillResult,
 )
-from pdserve.node import NodeState, add_common_routes, check_token, msgpack_response, node_info, read_message
+from pdserve.node import NodeState, check_token, msgpack_response, node_app, node_info, read_message
 from pdserve.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -198,18 +197,7 @@ def _validate(msg: PrefillRequest, block_size: int) -> str:
 
 def create_app(engine_config: EngineConfig, node: NodeConfig) -> FastAPI:
     state = PrefillNode(engine_config, node)
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI):
-        await state.start()
-        try:
-            yield
-        finally:
-            state.stop()
-
-    app = FastAPI(title="pdserve prefill node", lifespan=lifespan)
-    app.state.node = state
-    add_common_routes(app, state)
+    app = node_app(state)
 
     def fail(msg: PrefillRequest, error: str) -> PrefillResult:
         logger.warning("prefill of %s failed: %s", msg.request_id, error)
