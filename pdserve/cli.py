@@ -122,13 +122,14 @@ def _cmd_generate(args: argparse.Namespace) -> None:
 
 def _cmd_proxy(args: argparse.Namespace) -> None:
     from proxy.config import ProxyConfig
+    from proxy.router import ClusterError
     from proxy.server import serve
 
     config = config_from_args(ProxyConfig, args)
     print(f"pdserve proxy: http://{config.host}:{config.port}/v1", file=sys.stderr, flush=True)
     try:
         serve(config, log_level="warning")
-    except Exception as e:  # a refused cluster (incompatible nodes) or nodes that never answered
+    except ClusterError as e:  # incompatible nodes, or nodes that never answered
         sys.exit(f"pdserve proxy: {e}")
 
 

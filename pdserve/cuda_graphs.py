@@ -106,7 +106,6 @@ class DecodeGraphs:
     def capture(self) -> None:
         """Capture every bucket, largest first, into one pool. Needs the KV cache bound."""
         start = time.monotonic()
-        free_before = torch.cuda.mem_get_info(self.device)[0]
         # Capture-time inputs are padding rows: no KV is written, every context is one position.
         self.tokens[0].zero_()
         self.tokens[1].zero_()
@@ -125,13 +124,11 @@ class DecodeGraphs:
                 self.outputs[bs] = self._forward(bs, meta)
             self.graphs[bs] = graph
         torch.cuda.synchronize(self.device)
-        used = free_before - torch.cuda.mem_get_info(self.device)[0]
         logger.info(
-            "captured %d CUDA graphs for decode batch sizes %s in %.1f s (%.2f GiB)",
+            "captured %d CUDA graphs for decode batch sizes %s in %.1f s",
             len(self.graphs),
             ",".join(map(str, self.buckets)),
             time.monotonic() - start,
-            used / (1 << 30),
         )
 
     def run(

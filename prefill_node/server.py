@@ -209,7 +209,7 @@ def create_app(engine_config: EngineConfig, node: NodeConfig) -> FastAPI:
         msg: PrefillRequest = await read_message(request, PrefillRequest)
         error = _validate(msg, state.engine.config.cache.block_size)
         if error:
-            return msgpack_response(fail(msg, error), 400)
+            return msgpack_response(fail(msg, error), 500)  # a cluster bug, not the client's
         try:
             await state.handshake(msg.landing.kv_address)
         except KVTransferError as e:

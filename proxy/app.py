@@ -419,11 +419,10 @@ class Proxy:
 
     def models(self) -> ModelList:
         created = int(time.time())
-        cards = [
-            ModelCard(id=name, created=created, root=self.model_id, max_model_len=self.router.max_model_len)
-            for name in self.served_names
-        ]
-        return ModelList(data=cards)
+        # Requests may also name the model id; the list shows the served name only, as vLLM does.
+        max_len = self.router.max_model_len
+        card = ModelCard(id=self.served_names[0], created=created, root=self.model_id, max_model_len=max_len)
+        return ModelList(data=[card])
 
     async def health(self) -> Response:
         """200 when at least one prefill and one decode node answer /health."""

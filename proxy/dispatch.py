@@ -255,10 +255,11 @@ class Generation:
                         raise _node_failure(node, exc, "reserve failed") from None
                     if exc.connect_failed:
                         router.mark_down(node, exc.message)
-                    elif exc.unreachable:
-                        self.d.abort(node, self.request_id)  # timed out: it may have reserved
                     else:
-                        status = 502
+                        if exc.unreachable or exc.status == 200:  # timed out, or garbled landing:
+                            self.d.abort(node, self.request_id)  # it may hold a reservation
+                        if not exc.unreachable:
+                            status = 502
                     failed.append(f"{node.url}: {exc.message}")
                     continue
                 if landing.request_id != self.request_id:

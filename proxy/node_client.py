@@ -76,16 +76,31 @@ def make_http_client() -> httpx.AsyncClient:
     )
 
 
-def _error_from_response(url: str, response: httpx.Response, body: bytes) -> NodeError:
-    message = body[:1000].decode("utf-8", "replace") or response.reason_phrase
-    error_type = ""
+def _error_body(response: httpx.Response, body: bytes) -> object:
+    """The error body as data: JSON ``{"error": {...}}``, or a msgpack message such as a failed
+    PrefillResult (``{"error": "..."}``); None when it is neither."""
     try:
-        err = json.loads(body).get("error")
-        if isinstance(err, dict):
-            message = str(err.get("message") or message)
-            error_type = str(err.get("type") or "")
-    except (ValueError, AttributeError):
-        pass
+        if response.headers.get("content-type", "").startswith(MSGPACK):
+            return msgspec.msgpack.decode(body)
+        return json.loads(body)
+    except (ValueError, msgspec.DecodeError):
+        return None
+
+
+def _error_from_response(url: str, response: httpx.Response, body: bytes) -> NodeError:
+    message = response.reason_phrase
+    error_type = ""
+    data = _error_body(response, body)
+    err = data.get("error") if isinstance(data, dict) else None
+    if isinstance(err, dict):
+        message = str(err.get("message") or message)
+        error_type = str(err.get("type") or "")
+    elif isinstance(err, str) and err:
+        message = err
+    elif isinstance(data, dict) and isinstance(data.get("detail"), str):  # FastAPI's HTTPException
+        message = data["detail"]
+    elif data is None and body:
+        message = body[:1000].decode("utf-8", "replace")
     retry_after = None
     if "retry-after" in response.headers:
         with suppress(ValueError):

@@ -115,6 +115,10 @@ class TokenStrings:
         return self.string(token_id).encode("utf-8", "replace")
 
 
+def _finish(event: TokenEvent) -> tuple[bytes, bytes]:
+    return _json(event.finish_reason), _json(event.stop_reason)
+
+
 def _clamp(logprob: float) -> float:
     return max(logprob, _MIN_LOGPROB)
 
@@ -221,14 +225,7 @@ class CompletionBuilder(_Builder):
             return None
         if logprobs is None:
             tail = b',"logprobs":null,"finish_reason":%b,"stop_reason":%b}],"system_fingerprint":null}\n\n'
-            return b"%b%b" % (self._head, _json(text)) + tail % (_json(event.finish_reason), _json(event.stop_reason))
-        if False:  # noqa: SIM108 - placeholder removed below
-            return b"" % (
-                self._head,
-                _json(text),
-                _json(event.finish_reason),
-                _json(event.stop_reason),
-            )
+            return self._head + _json(text) + tail % _finish(event)
         choice = CompletionChoice(
             text=text, logprobs=logprobs, finish_reason=event.finish_reason, stop_reason=event.stop_reason
         )
@@ -308,12 +305,8 @@ class ChatBuilder(_Builder):
         if not event.text and event.finish_reason is None and not (logprobs and logprobs.content):
             return None
         if logprobs is None:
-            return b'%b%b},"logprobs":null,"finish_reason":%b,"stop_reason":%b}]}\n\n' % (
-                self._head,
-                _json(event.text),
-                _json(event.finish_reason),
-                _json(event.stop_reason),
-            )
+            tail = b'},"logprobs":null,"finish_reason":%b,"stop_reason":%b}]}\n\n'
+            return self._head + _json(event.text) + tail % _finish(event)
         choice = ChatChunkChoice(
             delta=Delta(content=event.text),
             logprobs=logprobs,

@@ -439,3 +439,29 @@ def test_sse_of_errors():
         == b'data: {"error":{"message":"prefill failed","type":"server_error","param":null,"code":null}}\n\n'
     )
     assert SSE_DONE == b"data: [DONE]\n\n"
+
+
+@pytest.mark.parametrize(
+    "text", ["Hello", "", 'quote " backslash \\ slash /', "tab\tnl\n\x00\x1f\x7f", "é日本🙂\u2028"]
+)
+@pytest.mark.parametrize("finish", [(None, None), ("stop", 9), ("stop", "###"), ("length", None)])
+def test_spliced_chunks_equal_the_models(text, finish):
+    from proxy.protocol import (
+        ChatChunkChoice,
+        ChatCompletionChunk,
+        CompletionChoice,
+        CompletionResponse,
+        Delta,
+    )
+
+    ev = TokenEvent("r1", [1], text, finish_reason=finish[0], stop_reason=finish[1])
+    kw = dict(id="id-1", created=1700000000, model="smol")
+    chat_chunk = ChatChunkChoice(delta=Delta(content=text), finish_reason=finish[0], stop_reason=finish[1])
+    if text or finish[0]:
+        assert builder(ChatBuilder, stream=True).add(ev) == sse(
+            ChatCompletionChunk(choices=[chat_chunk], **kw)
+        )
+        choice = CompletionChoice(text=text, finish_reason=finish[0], stop_reason=finish[1])
+        assert builder(CompletionBuilder, stream=True).add(ev) == sse(
+            CompletionResponse(choices=[choice], **kw)
+        )

@@ -99,20 +99,28 @@ def teacher_forced(llm: LLM, hf_model, vocab: int, prompt_len: int, steps: int) 
 
 
 def decode_tok_s(llm: LLM, batch: int, prompt_len: int, new_tokens: int, vocab: int) -> float:
+    """Output tokens after the first over the time after the prefill.
+
+    Both timed runs start from an empty prefix cache, so their prefills cost the same and
+    the difference is the decode steps alone; a warm-up run first compiles every kernel.
+    """
     gen = torch.Generator().manual_seed(batch)
     prompts = [
         {"prompt_token_ids": torch.randint(100, vocab - 100, (prompt_len,), generator=gen).tolist()}
         for _ in range(batch)
     ]
-    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-    llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
-    t = _sync_time()
-    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
-    prefill_s = _sync_time() - t
-    t = _sync_time()
-    llm.generate(prompts, params)
-    total_s = _sync_time() - t
-    # Decode rate: output tokens after the first, over the time after the prefill.
+    reset = llm.engine.scheduler.kv.pool.reset_prefix_cache
+
+    def timed(max_tokens: int) -> float:
+        assert reset(), "the prefix cache can only be reset while no request runs"
+        t = _sync_time()
+        llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+        return _sync_time() - t
+
+    timed(4)
+    prefill_s = timed(1)
+    total_s = timed(new_tokens)
+    reset()
     return batch * (new_tokens - 1) / max(total_s - prefill_s, 1e-9)
 
 
@@ -158,6 +166,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--decode-new-tokens", type=int, default=64)
     p.add_argument("--prefill-len", type=int, default=2048)
     p.add_argument("--skip-hf-decode", action="store_true")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs at all")
     p.add_argument("--out", default="docs/benchmarks/gpu_engine.json")
     args = p.parse_args(argv)
 
@@ -172,6 +181,7 @@ def main(argv: list[str] | None = None) -> None:
         max_num_seqs=64,
         max_num_batched_tokens=max(4096, args.prefill_len),
         gpu_memory_utilization=0.55,
+        enforce_eager=args.enforce_eager,
     )
     arch = llm.engine.arch
     weight_bytes = sum(t.numel() * t.element_size() for t in llm.engine.model.parameters())
@@ -210,6 +220,8 @@ def main(argv: list[str] | None = None) -> None:
     )
 
     kv_per_token = arch.kv_bytes_per_token(torch.bfloat16)
+    runner = llm.engine.runner
+    graphs = runner.graphs
     result["decode"] = []
     for batch in (int(b) for b in args.decode_batches.split(",")):
         ctx = args.decode_prompt_len + args.decode_new_tokens // 2
@@ -221,7 +233,13 @@ def main(argv: list[str] | None = None) -> None:
             "pdserve_tok_s": ours,
             "roofline_tok_s": roofline,
             "share_of_roofline": ours / roofline,
+            "cuda_graphs": graphs is not None,
         }
+        if graphs is not None:  # the same engine without its graphs, as the eager anchor
+            runner.graphs = None
+            eager = decode_tok_s(llm, batch, args.decode_prompt_len, args.decode_new_tokens, vocab)
+            runner.graphs = graphs
+            row.update(eager_tok_s=eager, eager_share_of_roofline=eager / roofline)
         if not args.skip_hf_decode:
             hf_rate = hf_decode_tok_s(hf, batch, args.decode_prompt_len, args.decode_new_tokens, vocab)
             row.update(hf_tok_s=hf_rate, ratio_vs_hf=ours / hf_rate)
