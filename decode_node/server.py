@@ -87,7 +87,7 @@ class DecodeNode(NodeState):
     # -- engine thread -------------------------------------------------------------------------
 
     def _reserve(self, engine: LLMEngine, msg: ReserveRequest, deadline: float) -> list[int] | None:
-        block_ids = engine.reserve_remote(msg.request_id, msg.prompt_token_ids, msg.params.to_params())
+        block_ids = engine.reserve_remote(msg.request_id, msg.prompt_token_ids, msg.params)
         if block_ids is not None:
             self.table.add(msg.request_id, block_ids, deadline)
         return block_ids

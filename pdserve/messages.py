@@ -32,32 +32,6 @@ class Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag=True)
     """Base of every cross-process message; tagged with its class name, so unions decode."""
 
 
-class SamplingParamsMsg(Message):
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    max_tokens: int | None = 16
-    min_tokens: int = 0
-    logprobs: int | None = None
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-
-    @classmethod
-    def from_params(cls, p: SamplingParams) -> SamplingParamsMsg:
-        return cls(**{f: getattr(p, f) for f in cls.__struct_fields__})
-
-    def to_params(self) -> SamplingParams:
-        return SamplingParams(**{f: getattr(self, f) for f in self.__struct_fields__})
-
-
 class NodeInfo(Message):
     """What a node is; peers compare it at handshake and refuse mismatches."""
 
@@ -87,7 +61,7 @@ class NodeLoad(Message):
 class ReserveRequest(Message):
     request_id: str
     prompt_token_ids: list[int]
-    params: SamplingParamsMsg
+    params: SamplingParams
     lease_s: float
 
 
@@ -109,7 +83,7 @@ class StreamRequest(Message):
 class PrefillRequest(Message):
     request_id: str
     prompt_token_ids: list[int]
-    params: SamplingParamsMsg
+    params: SamplingParams
     landing: LandingDescriptor
 
 

@@ -85,7 +85,7 @@ class PrefillNode(NodeState):
     # -- engine thread -------------------------------------------------------------------------
 
     def _add(self, engine: LLMEngine, msg: PrefillRequest) -> None:
-        params = msg.params.to_params()
+        params = msg.params
         # Only the first token is sampled here; stop strings are the decode node's concern.
         params = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1), stop=())
         engine.add_request(

@@ -30,7 +30,6 @@ from pdserve.messages import (
     PrefillRequest,
     PrefillResult,
     ReserveRequest,
-    SamplingParamsMsg,
     StreamRequest,
     TokenEvent,
 )
@@ -135,7 +134,7 @@ class Generation:
         self.d = dispatcher
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
-        self.params = SamplingParamsMsg.from_params(params)
+        self.params = params
         self.deadline = deadline
         self.decode_node: NodeState | None = None
         self.prefill_node: NodeState | None = None

@@ -19,12 +19,12 @@ from pdserve.messages import (
     FrameReader,
     NodeLoad,
     ReserveRequest,
-    SamplingParamsMsg,
     StreamRequest,
     TokenEvent,
     decode,
     encode,
 )
+from pdserve.sampling_params import SamplingParams
 
 MODEL = "SmolLM2-135M-Instruct"
 MSGPACK = {"content-type": "application/msgpack"}
@@ -88,7 +88,7 @@ def _ask(c: LocalCluster, text: str = "Say hello.") -> dict:
 
 def test_lease_expiry_frees_reserved_blocks(cluster):
     decode_url = _nodes(cluster, "decode")[0].url
-    params = SamplingParamsMsg(max_tokens=4)
+    params = SamplingParams(max_tokens=4)
     r = httpx.post(
         f"{decode_url}/internal/reserve",
         content=encode(ReserveRequest("lease-test", list(range(10, 300)), params, lease_s=1.0)),
