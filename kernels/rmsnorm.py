@@ -46,8 +46,8 @@ def fused_add_rmsnorm_ref(
 #
 # One program per row (per (token, head) row for the per-head q/k norm of Qwen3). The whole row
 # is one block of BLOCK_N >= N elements in registers: Llama-3-8B's N = 4096 is 16 KiB in float32,
-# 32 values per thread at 4 warps... 8 warps for wide rows. Nothing is looped, so the fused
-# kernel can write its outputs over its inputs (each program reads its row before writing it).
+# 16 values per thread at 8 warps. Nothing is looped, so the fused kernel can write its outputs
+# over its inputs (each program reads its whole row before writing it).
 # ---------------------------------------------------------------------------------------------
 
 MAX_N = 65536
@@ -86,7 +86,7 @@ def _rmsnorm_kernel(
         tl.store(res_out_ptr + t * stride_res_out_t + cols, x, mask=mask)
     xf = x.to(tl.float32)
     var = tl.sum(xf * xf, axis=0) / N
-    rstd = 1.0 / tl.sqrt(var + eps)
+    rstd = tl.rsqrt(var + eps)
     # Normalised row rounded to the input dtype, then times the weight in the output dtype
     # (a product of two bf16/fp16 values is exact in float32, so one rounding as in torch).
     y = (xf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)

@@ -2,6 +2,10 @@
 
 Numerics follow transformers' Llama code step for step (float32 norm statistics,
 float32 rotary tables), so float32 runs are token-identical to it.
+
+On CUDA, RMSNorm (with or without the residual add) and the rotary embedding run as fused
+Triton kernels (``kernels/rmsnorm.py``, ``kernels/rotary.py``) instead of a dozen elementwise
+torch kernels each; the CPU code below them is the reference and stays op for op as it is.
 """
 
 from __future__ import annotations
@@ -12,7 +16,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.rmsnorm import fused_add_rmsnorm, fused_add_rmsnorm_ref, rmsnorm
+from kernels.rotary import rotary
 from pdserve.models.arch import RopeConfig
+
+FUSED_KERNELS_ON_CUDA = True
+"""Use the Triton norm/rotary kernels for CUDA tensors; set False to A/B against eager torch."""
+
+
+def use_fused_kernels(x: torch.Tensor) -> bool:
+    return x.is_cuda and FUSED_KERNELS_ON_CUDA
 
 
 class Linear(nn.Linear):
@@ -34,10 +47,18 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if use_fused_kernels(x):
+            return rmsnorm(x, self.weight, self.eps)
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
+
+    def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(x + residual), x + residual)``; on CUDA fused and in place over both inputs."""
+        if use_fused_kernels(x):
+            return fused_add_rmsnorm(x, residual, self.weight, self.eps)
+        return fused_add_rmsnorm_ref(x, residual, self.weight, self.eps)
 
 
 def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
@@ -83,6 +104,8 @@ class RotaryEmbedding(nn.Module):
         q: torch.Tensor,  # [T, Hq, D]
         k: torch.Tensor,  # [T, Hkv, D]
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if use_fused_kernels(q):
+            return rotary(positions, q, k, self.cos_sin, q_out=q, k_out=k)  # in place
         cos_sin = self.cos_sin[positions].to(q.dtype)  # [T, 2, D]
         cos, sin = cos_sin[:, 0].unsqueeze(1), cos_sin[:, 1].unsqueeze(1)  # [T, 1, D]
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin

@@ -13,7 +13,7 @@ from torch import nn
 
 from pdserve.attention import AttentionBackend, AttentionMetadata
 from pdserve.models.arch import ArchConfig
-from pdserve.models.layers import Embedding, GatedMLP, Linear, RMSNorm, RotaryEmbedding
+from pdserve.models.layers import Embedding, GatedMLP, Linear, RMSNorm, RotaryEmbedding, use_fused_kernels
 
 
 class Attention(nn.Module):
@@ -65,6 +65,28 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), positions, meta, backend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def forward_fused(
+        self,
+        hidden: torch.Tensor,  # [T, hidden]: the embedding, or the last layer's MLP output
+        residual: torch.Tensor | None,  # [T, hidden]: the stream ``hidden`` is still to be added to
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """vLLM-style: each residual add rides in the next norm's kernel (``residual`` is None
+        for the first layer, whose input is the embedding itself).
+
+        Returns ``(mlp output, residual stream before it)``; the caller's next norm adds them.
+        The sums are the same additions, in the same dtype, as in :meth:`forward`.
+        """
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm.forward_add(hidden, residual)
+        hidden = self.self_attn(hidden, positions, meta, backend)
+        hidden, residual = self.post_attention_layernorm.forward_add(hidden, residual)
+        return self.mlp(hidden), residual
+
 
 class DecoderModel(nn.Module):
     def __init__(self, arch: ArchConfig, max_positions: int) -> None:
@@ -103,9 +125,18 @@ class CausalLM(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:  # [T, hidden]
         x = self.model.embed_tokens(input_ids)
+        if use_fused_kernels(x):
+            return self._forward_fused(x, positions, meta, backend)
         for layer in self.model.layers:
             x = layer(x, positions, meta, backend)
         return self.model.norm(x)
+
+    def _forward_fused(self, x, positions, meta, backend) -> torch.Tensor:
+        """The CUDA path: residual adds fused into the norms (same sums, one kernel per norm)."""
+        residual = None
+        for layer in self.model.layers:
+            x, residual = layer.forward_fused(x, residual, positions, meta, backend)
+        return self.model.norm.forward_add(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] float32
         return self.lm_head(hidden).float()
