@@ -40,7 +40,12 @@ class ScheduledRequest:
 
     @property
     def token_ids(self) -> list[int]:
-        return self.request.all_token_ids[self.start : self.start + self.num_tokens]
+        # Slice prompt and output separately: all_token_ids would copy the whole sequence.
+        r, end = self.request, self.start + self.num_tokens
+        p = r.num_prompt_tokens
+        if self.start >= p:
+            return r.output_token_ids[self.start - p : end - p]
+        return r.prompt_token_ids[self.start : end] + r.output_token_ids[: max(0, end - p)]
 
 
 @dataclass
