@@ -35,6 +35,7 @@ class _Reservation:
     block_ids: list[int]
     deadline: float
     allowed: frozenset[int]
+    lease_s: float
     written: set[tuple[int, int]] = field(default_factory=set)  # (layer, block id) units landed
     error: str = ""
     committed: bool = False
@@ -57,7 +58,22 @@ class ReservationTable:
 
     def add(self, request_id: str, block_ids: Sequence[int], deadline: float) -> None:
         with self._lock:
-            self._table[request_id] = _Reservation(list(block_ids), deadline, frozenset(block_ids))
+            lease_s = max(deadline - self._clock(), 0.0)
+            self._table[request_id] = _Reservation(list(block_ids), deadline, frozenset(block_ids), lease_s)
+
+    def renew(self, request_ids: Sequence[str]) -> int:
+        """Push the deadlines of live, uncommitted reservations one lease length past now."""
+        now = self._clock()
+        renewed = 0
+        with self._lock:
+            for request_id in request_ids:
+                r = self._table.get(request_id)
+                # A renewal that arrives a little late still counts until the engine thread has
+                # expired the reservation (which removes it from the table).
+                if r is not None and not r.committed:
+                    r.deadline = max(r.deadline, now + r.lease_s)
+                    renewed += 1
+        return renewed
 
     def release(self, request_id: str) -> None:
         with self._lock:
@@ -149,6 +165,10 @@ class KVSender(ABC):
 
     @abstractmethod
     def register_kv_cache(self, kv_cache: torch.Tensor) -> None: ...
+
+    @abstractmethod
+    def renew(self, address: str, info: NodeInfo, request_ids: Sequence[str]) -> None:
+        """Ask the peer to extend the leases of requests this node still works on (no reply)."""
 
     @abstractmethod
     def handshake(self, address: str, info: NodeInfo, timeout: float) -> NodeInfo:

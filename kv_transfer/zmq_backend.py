@@ -37,6 +37,7 @@ from pdserve.messages import (
     KVCommit,
     KVHandshake,
     KVHandshakeReply,
+    KVRenew,
     NodeInfo,
     decode,
     encode,
@@ -113,7 +114,7 @@ class ZmqReceiver(KVReceiver):
             sock.close(linger=0)
 
     def _handle(self, frames, info: NodeInfo, table: ReservationTable, on_commit):
-        msg = decode(frames[0].buffer, KVHandshake | KVBlocks | KVCommit)
+        msg = decode(frames[0].buffer, KVHandshake | KVBlocks | KVCommit | KVRenew)
         if isinstance(msg, KVHandshake):
             if self.cluster_token and msg.cluster_token != self.cluster_token:
                 return KVHandshakeReply(ok=False, error="wrong cluster token")
@@ -123,6 +124,9 @@ class ZmqReceiver(KVReceiver):
                 logger.error("refusing KV peer %s: %s", msg.info.node_id, error)
                 return KVHandshakeReply(ok=False, error=error, info=info)
             return KVHandshakeReply(ok=True, info=info)
+        if isinstance(msg, KVRenew):
+            table.renew(msg.request_ids)
+            return None
         if isinstance(msg, KVBlocks):
             self._write(msg, frames[1] if len(frames) > 1 else None, table)
             return None
@@ -165,12 +169,13 @@ class ZmqReceiver(KVReceiver):
 @dataclass
 class _Job:
     info: NodeInfo
-    request_id: str
+    request_id: str  # or, for a lease renewal, "" with ``renew`` set
     staged: torch.Tensor | None  # [L, n, 2, BS, Hkv, D] on the CPU, or None for a bare handshake
     dst_block_ids: list[int]
     commit: KVCommit | None  # None: more blocks follow later
     timeout: float
     future: Future
+    renew: KVRenew | None = None
 
 
 class _Peer:
@@ -247,6 +252,9 @@ class _Peer:
                 self.refused = f"KV peer {self.address} refused the handshake: {reply.error}"
                 raise KVTransferError(self.refused)
             self.peer_info = reply.info
+        if job.renew is not None:
+            self._send([encode(job.renew)], deadline)
+            return None
         staged = job.staged
         if staged is None:
             return self.peer_info
@@ -288,6 +296,10 @@ class ZmqSender(KVSender):
             if peer is None:
                 peer = self._peers[address] = _Peer(self._ctx, address, self.cluster_token)
             return peer
+
+    def renew(self, address: str, info: NodeInfo, request_ids: Sequence[str]) -> None:
+        job = _Job(info, "", None, [], None, 5.0, Future(), renew=KVRenew(list(request_ids)))
+        self._peer(address).jobs.put(job)
 
     def handshake(self, address: str, info: NodeInfo, timeout: float) -> NodeInfo:
         fut: Future = Future()

@@ -167,6 +167,16 @@ class KVAck(Message):
     error: str = ""
 
 
+class KVRenew(Message):
+    """The prefill node still works on these requests: extend their leases by their original length.
+
+    Sent while a prompt waits or runs on the prefill node, so a long queue there does not void
+    the decode node's reservation; a dead prefill node stops renewing and the leases run out.
+    """
+
+    request_ids: list[str]
+
+
 _encoder = msgspec.msgpack.Encoder()
 _decoders: dict[Any, msgspec.msgpack.Decoder] = {}
 

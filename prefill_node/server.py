@@ -48,6 +48,9 @@ class PrefillNode(NodeState):
         self.sender = None
         self._landing: dict[str, LandingDescriptor] = {}  # engine thread only
         self._blocks_sent: dict[str, int] = {}  # engine thread only: leading blocks already shipped
+        # Event loop only: request id -> (decode KV address, next renewal, period).
+        self._renewals: dict[str, tuple[str, float, float]] = {}
+        self._renewer: asyncio.Task | None = None
         self._handshakes: dict[str, asyncio.Future] = {}
         self._transfers: dict[str, asyncio.Future] = {}  # event-loop only
 
@@ -58,6 +61,7 @@ class PrefillNode(NodeState):
         self.sender.register_kv_cache(engine.runner.kv_cache)
         self.info = node_info(engine, self.node, "prefill", transport, "")
         self.loop.start()
+        self._renewer = asyncio.ensure_future(self._renew_leases())
         logger.info("prefill node %s ready: KV via %s", self.info.node_id, transport)
 
     @property
@@ -65,6 +69,8 @@ class PrefillNode(NodeState):
         return self.sender.bytes_sent if self.sender is not None else 0
 
     def stop(self) -> None:
+        if self._renewer is not None:
+            self._renewer.cancel()
         if self.loop is not None:
             self.loop.stop()
         if self.sender is not None:
@@ -92,6 +98,22 @@ class PrefillNode(NodeState):
             msg.request_id, None, params, prompt_token_ids=msg.prompt_token_ids, hold_blocks=True
         )
         self._landing[msg.request_id] = msg.landing
+
+    async def _renew_leases(self) -> None:
+        """While a prompt is on this node, renew its decode lease three times per lease length.
+
+        Runs on the event loop, not the engine thread, so long engine steps cannot delay it.
+        """
+        while True:
+            await asyncio.sleep(0.05)
+            now = time.monotonic()
+            due: dict[str, list[str]] = {}
+            for request_id, (address, at, period) in list(self._renewals.items()):
+                if now >= at:
+                    due.setdefault(address, []).append(request_id)
+                    self._renewals[request_id] = (address, now + period, period)
+            for address, request_ids in due.items():
+                self.sender.renew(address, self.info, request_ids)
 
     def _after_step(self, outputs: list[RequestOutput]) -> None:
         engine = self.engine
@@ -214,6 +236,15 @@ def create_app(engine_config: EngineConfig, node: NodeConfig) -> FastAPI:
             await state.handshake(msg.landing.kv_address)
         except KVTransferError as e:
             return msgpack_response(fail(msg, str(e)), 502)
+        rid = msg.request_id
+        period = max(0.1, (msg.landing.lease_deadline - time.time()) / 3)
+        state._renewals[rid] = (msg.landing.kv_address, time.monotonic() + period, period)
+        try:
+            return await _prefill(msg)
+        finally:
+            state._renewals.pop(rid, None)
+
+    async def _prefill(msg: PrefillRequest):
         rid = msg.request_id
         outputs = state.loop.subscribe(rid)
         transfer = state._transfers[rid] = asyncio.get_running_loop().create_future()

@@ -199,3 +199,35 @@ def _metric(url: str, name: str) -> float:
         if line.startswith(name + " "):
             return float(line.split()[-1])
     return 0.0
+
+
+def test_prefill_queue_longer_than_the_lease_still_serves(cluster):
+    """The prefill node renews decode leases while prompts wait in its queue."""
+    import asyncio
+
+    from proxy.config import ProxyConfig
+    from proxy.server import ProxyServer
+
+    prefill = [x.url for x in _nodes(cluster, "prefill")]
+    decode = [x.url for x in _nodes(cluster, "decode")]
+    config = ProxyConfig(port=0, prefill_urls=tuple(prefill), decode_urls=tuple(decode), lease_s=1.0)
+    prompt = "Describe the water cycle in detail, step by step. " * 60  # ~600 tokens: ~5 steps each
+
+    async def run(url: str) -> list[int]:
+        async with httpx.AsyncClient(timeout=120) as client:
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0}
+            rs = await asyncio.gather(
+                *(
+                    client.post(f"{url}/v1/completions", json={**body, "prompt": f"{i}. {prompt}"})
+                    for i in range(8)
+                )
+            )
+            return [r.status_code for r in rs]
+
+    with ProxyServer(config) as proxy:
+        start = time.monotonic()
+        statuses = asyncio.run(run(proxy.url))
+        elapsed = time.monotonic() - start
+    assert statuses == [200] * 8
+    assert elapsed > 2.0, f"the queue took {elapsed:.1f} s: too short to outlive a 1 s lease"
+    _wait_idle(cluster)

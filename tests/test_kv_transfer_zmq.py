@@ -109,3 +109,18 @@ def test_commit_with_missing_blocks_is_refused(pair):
     with pytest.raises(KVTransferError, match="never arrived"):
         sender.send(address, info("p"), "r6", [1], [3], KVCommit("r6", 3), 5).result()
     assert commits == []
+
+
+def test_renewed_lease_outlives_its_first_deadline(pair):
+    _, dst, table, commits, sender, address = pair
+    p = info("prefill-0")
+    table.add("r7", [5], time.time() + 0.6)
+    table.add("r8", [6], time.time() + 0.6)
+    for _ in range(6):  # 1.2 s of renewals for r7 only
+        sender.renew(address, p, ["r7"])
+        time.sleep(0.2)
+    assert table.expired() == ["r8"]
+    ack = sender.send(address, p, "r7", [0], [5], KVCommit("r7", 1), 5).result()
+    assert ack.ok
+    with pytest.raises(KVTransferError, match="lease expired"):
+        sender.send(address, p, "r8", [0], [6], KVCommit("r8", 1), 5).result()
