@@ -53,11 +53,12 @@ def test_static_decode_rejects_prefill_and_small_workspace():
         run_both(shapes, q, cache, tables, static=_plan(1, 4, 16, 2))
 
 
-COMPILE_STATIC_FOR_SM90 = """
+STATIC_SM90_BODY = """
 bf16 = torch.bfloat16
 for splits in (1, 64):
-    compile_sm90(pa._decode_kernel, pa.decode_config(32, 8, 128, 16, bf16, splits, 128, True))
-compile_sm90(pa._decode_reduce_kernel, pa.reduce_config(128, 64, 128, True))
+    config = pa.decode_config(32, 8, 128, 16, bf16, splits, 128, True)
+    compile_sm90(pa._decode_kernel, config, PTR, ("qk_scale",))
+compile_sm90(pa._decode_reduce_kernel, pa.reduce_config(128, 64, 128, True), PTR)
 print("compiled")
 """
 
@@ -65,20 +66,10 @@ print("compiled")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests compile and run the kernels")
 def test_static_decode_compiles_for_sm90():
     """What the interpreter lets through (types of the device-side partition arithmetic)."""
-    import os
-    import subprocess
-    import sys
+    from tests.sm90 import compile_for_sm90
+    from tests.test_kernels_triton import KERNELS_SM90
 
-    from tests.test_kernels_triton import COMPILE_FOR_SM90, REPO_ROOT
-
-    pytest.importorskip("triton.backends.nvidia.compiler", reason="triton without its NVIDIA backend")
-    script = COMPILE_FOR_SM90.split("bf16 = torch.bfloat16")[0] + COMPILE_STATIC_FOR_SM90
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
-    proc = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-4000:]
+    compile_for_sm90(KERNELS_SM90 + STATIC_SM90_BODY)
 
 
 def test_cpu_engine_captures_nothing(tiny_models):

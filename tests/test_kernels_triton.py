@@ -28,19 +28,17 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import random  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
 from types import ModuleType  # noqa: E402
 
 import pytest  # noqa: E402
 
 from kernels import block_copy, kv_write  # noqa: E402
 from kernels import paged_attention as pa  # noqa: E402
+from tests.sm90 import compile_for_sm90  # noqa: E402
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
-REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def _interpret_kernels(*modules: ModuleType) -> None:
@@ -289,55 +287,32 @@ def test_decode_partition_heuristic():
 # In a subprocess: this process's kernels are interpreted objects, which the compiler refuses.
 # --------------------------------------------------------------------------------------------
 
-COMPILE_FOR_SM90 = r"""
-import torch, triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+KERNELS_SM90 = r"""
 from kernels import block_copy, kv_write, paged_attention as pa
 
 PTR = {"block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_ptr": "*i32", "slot_ptr": "*i64",
        "ids_ptr": "*i64", "part_out_ptr": "*fp32", "part_ml_ptr": "*fp32"}
+"""
 
-def compile_sm90(kernel, config):
-    config = dict(config)
-    options = {k: config.pop(k) for k in ("num_warps", "num_stages") if k in config}
-    def ty(name):
-        if name in config:
-            return "constexpr"
-        if name.endswith("_ptr"):
-            return PTR.get(name, "*bf16")
-        return "fp32" if name == "qk_scale" else "i32"
-    sig = {name: ty(name) for name in kernel.arg_names}
-    # What the launch would specialise on: 16-byte aligned pointers, strides that are multiples of 16.
-    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
-             if sig[name].startswith("*") or name.startswith("stride")}
-    src = ASTSource(kernel, sig, constexprs=config, attrs=attrs)
-    triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-
+KERNELS_SM90_BODY = r"""
 bf16 = torch.bfloat16
 for hq, hkv, d in ((32, 8, 128), (9, 3, 64)):
-    compile_sm90(pa._prefill_kernel, pa.prefill_config(hq, hkv, d, 16, bf16, 2048))
-    compile_sm90(pa._decode_kernel, pa.decode_config(hq, hkv, d, 16, bf16, 32, 256))
-compile_sm90(pa._decode_kernel, pa.decode_config(32, 8, 128, 16, bf16, 1, 8192))
-compile_sm90(pa._decode_reduce_kernel, pa.reduce_config(128, 32, 256))
-compile_sm90(kv_write._write_kv_kernel, dict(BLOCK_SIZE=16, HD=1024, CHUNK=1024))
+    compile_sm90(pa._prefill_kernel, pa.prefill_config(hq, hkv, d, 16, bf16, 2048), PTR, ("qk_scale",))
+    compile_sm90(pa._decode_kernel, pa.decode_config(hq, hkv, d, 16, bf16, 32, 256), PTR, ("qk_scale",))
+compile_sm90(pa._decode_kernel, pa.decode_config(32, 8, 128, 16, bf16, 1, 8192), PTR, ("qk_scale",))
+compile_sm90(pa._decode_reduce_kernel, pa.reduce_config(128, 32, 256), PTR)
+compile_sm90(kv_write._write_kv_kernel, dict(BLOCK_SIZE=16, HD=1024, CHUNK=1024), PTR)
 for gather in (True, False):
     for part in (8192, 12288):
         config = dict(REGION=32768, PART=part, CHUNK=4096, GATHER=gather, EVEN=32768 % part == 0)
-        compile_sm90(block_copy._copy_blocks_kernel, config)
+        compile_sm90(block_copy._copy_blocks_kernel, config, PTR)
 print("compiled")
 """
 
 
 @pytest.mark.skipif(ON_GPU, reason="the GPU tests compile and run the kernels")
 def test_kernels_compile_for_sm90():
-    pytest.importorskip("triton.backends.nvidia.compiler", reason="triton without its NVIDIA backend")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
-    proc = subprocess.run(
-        [sys.executable, "-c", COMPILE_FOR_SM90], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-4000:]
+    compile_for_sm90(KERNELS_SM90 + KERNELS_SM90_BODY)
 
 
 # --------------------------------------------------------------------------------------------
