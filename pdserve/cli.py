@@ -82,13 +82,13 @@ def _cmd_node(args: argparse.Namespace) -> None:
 
     from pdserve.config import EngineConfig, NodeConfig
 
-    if args.command == "prefill":
-        from prefill_node.server import create_app
-    else:
-        from decode_node.server import create_app
     node = config_from_args(NodeConfig, args)
+    if node.role == "prefill":
+        from prefill_node.server import create_app
+    else:  # decode, or both: a decode node that also prefills for others
+        from decode_node.server import create_app
     app = create_app(EngineConfig.from_kwargs(**engine_kwargs(args)), node)
-    print(f"pdserve {args.command} node: http://{node.host}:{node.port}", file=sys.stderr, flush=True)
+    print(f"pdserve {node.role} node: http://{node.host}:{node.port}", file=sys.stderr, flush=True)
     uvicorn.run(app, host=node.host, port=node.port, log_level="warning", timeout_graceful_shutdown=5)
 
 
@@ -163,6 +163,12 @@ def _cmd_bench_offline(args: argparse.Namespace) -> None:
     offline.run(args)
 
 
+def _cmd_bench_serve(args: argparse.Namespace) -> None:
+    from pdserve.benchmarks import serve
+
+    sys.exit(serve.run(args))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -185,11 +191,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
     gen.set_defaults(func=_cmd_generate)
 
-    for role in ("prefill", "decode"):
-        node = sub.add_parser(role, help=f"run a {role} node")
-        add_config_args(node, (config_module.NodeConfig,))
-        add_engine_args(node)
-        node.set_defaults(func=_cmd_node)
+    node = sub.add_parser("node", help="run a node: --role prefill, decode or both")
+    add_config_args(node, (config_module.NodeConfig,))
+    add_engine_args(node)
+    node.set_defaults(func=_cmd_node)
 
     from pdserve.cluster import ClusterConfig
     from proxy.config import ProxyConfig
@@ -210,6 +215,11 @@ def build_parser() -> argparse.ArgumentParser:
     off = bench_sub.add_parser("offline", help="LLM.generate throughput against transformers generate_batch")
     offline.add_cli_args(off)
     off.set_defaults(func=_cmd_bench_offline)
+    from pdserve.benchmarks import serve
+
+    srv = bench_sub.add_parser("serve", help="load an OpenAI-compatible server: latency, throughput, goodput")
+    serve.add_cli_args(srv)
+    srv.set_defaults(func=_cmd_bench_serve)
     return parser
 
 

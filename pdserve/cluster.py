@@ -85,7 +85,8 @@ class LocalCluster:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         index = sum(1 for c in self.children if c.role.startswith(role))
         log = self.log_dir / f"{role}-{index}.log"
-        cmd = [sys.executable, "-m", "pdserve", role, *args]
+        command = [role] if role == "proxy" else ["node", "--role", role]
+        cmd = [sys.executable, "-m", "pdserve", *command, *args]
         with open(log, "w") as f:
             proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
         child = _Child(f"{role}-{index}", f"http://127.0.0.1:{port}", log, proc)

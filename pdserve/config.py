@@ -174,10 +174,16 @@ class EngineConfig:
         )
 
 
+NODE_ROLES = ("prefill", "decode", "both")
+
+
 @dataclass(frozen=True)
 class NodeConfig:
-    """A prefill or decode node's server and KV transport."""
+    """A node's role, server, KV transport and prefix-index registration."""
 
+    role: str = "both"
+    """prefill (computes prompts for decode nodes), decode (reserves blocks, receives KV, generates)
+    or both (a co-located node: serves whole requests and can take either part for other nodes)."""
     host: str = "127.0.0.1"
     """Interface the node's HTTP API binds to."""
     port: int = 8100
@@ -194,6 +200,17 @@ class NodeConfig:
     """Shared secret required on internal APIs and KV messages; empty disables the check."""
     node_id: str = ""
     """Name in logs and handshakes; empty means role@host:port."""
+    redis_url: str = ""
+    """Redis of the cluster's prefix index (redis://host:port/db); empty: the node does not publish."""
+    heartbeat_ttl_s: float = 5.0
+    """The node's registration in the index expires this long after its last heartbeat
+    (heartbeats go out every third of it)."""
+
+    def __post_init__(self) -> None:
+        if self.role not in NODE_ROLES:
+            raise ValueError(f"unknown node role {self.role!r}; choose one of {', '.join(NODE_ROLES)}")
+        if self.heartbeat_ttl_s <= 0:
+            raise ValueError(f"heartbeat_ttl_s must be > 0, got {self.heartbeat_ttl_s}")
 
 
 def cpu_count() -> int:

@@ -249,7 +249,7 @@ class Proxy:
             cfg.decode_urls,
             self.http,
             cfg.cluster_token,
-            POLICIES[cfg.routing_policy](),
+            POLICIES[cfg.routing](),
             cfg.load_poll_interval_s,
         )
         try:

@@ -51,8 +51,10 @@ class ProxyConfig:
     """Bearer token of the nodes' internal API; empty when the cluster uses none."""
     api_key: str = ""
     """If set, clients must send `Authorization: Bearer <api_key>` to /v1/*."""
-    routing_policy: str = "least-loaded"
-    """How to pick nodes: `least-loaded` or `round-robin`."""
+    routing: str = "least-loaded"
+    """How to pick nodes: `prefix-aware`, `least-loaded` or `round-robin`."""
+    redis_url: str = ""
+    """Redis of the cluster's prefix index (redis://host:port/db); empty: route on load alone."""
     default_max_tokens: int = 4096
     """max_tokens of a request that sets none; the rest of the context caps it further."""
     admission_wait_s: float = 5.0
@@ -80,7 +82,5 @@ class ProxyConfig:
             raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
         from proxy.router import POLICIES
 
-        if self.routing_policy not in POLICIES:
-            raise ValueError(
-                f"unknown routing_policy {self.routing_policy!r}; choose one of {sorted(POLICIES)}"
-            )
+        if self.routing not in POLICIES:
+            raise ValueError(f"unknown routing {self.routing!r}; choose one of {sorted(POLICIES)}")

@@ -16,6 +16,8 @@ def _start(role: str, port: int, *flags: str, log) -> subprocess.Popen:
         sys.executable,
         "-m",
         "pdserve",
+        "node",
+        "--role",
         role,
         "--port",
         str(port),
