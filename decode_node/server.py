@@ -5,7 +5,9 @@ Per request (see pdserve/messages.py for the numbered protocol):
 1. ``POST /internal/reserve``: the engine reserves blocks for the prompt
    (``WAITING_FOR_REMOTE_KV``) and the reservation table records them with a deadline;
    the answer is the landing descriptor. Subscribing to the request's outputs happens
-   here too, so no token can be produced before someone listens.
+   here too, so no token can be produced before someone listens. With ``local_prefill``
+   the prompt is queued here instead (a short prompt, most of it cached here, or a
+   co-located node): no KV arrives and steps 3-4 do not apply.
 2. ``POST /internal/stream``: the token stream. Closing it aborts the request.
 3. The KV receiver thread validates and writes frames; on commit the engine thread
    moves the request into the batch with its first token.
@@ -25,9 +27,7 @@ import kv_transfer
 from kv_transfer import ReservationTable
 from pdserve.config import EngineConfig, NodeConfig
 from pdserve.engine import LLMEngine
-from pdserve.engine_loop import error_output
 from pdserve.messages import (
-    AbortRequest,
     KVCommit,
     LandingDescriptor,
     LogprobsMsg,
@@ -37,6 +37,7 @@ from pdserve.messages import (
     frame,
 )
 from pdserve.node import (
+    NodeService,
     NodeState,
     check_token,
     error_response,
@@ -47,6 +48,7 @@ from pdserve.node import (
 )
 from pdserve.outputs import RequestOutput
 from pdserve.request import RequestStatus
+from prefill_node.server import PrefillService
 
 logger = logging.getLogger(__name__)
 
@@ -54,25 +56,26 @@ LEASE_EXPIRED = "the prompt's KV did not arrive within its lease"
 MAX_LEASE_S = 600.0
 
 
-class DecodeNode(NodeState):
-    def __init__(self, engine_config: EngineConfig, node: NodeConfig) -> None:
-        super().__init__(engine_config, node, "decode")
+class DecodeService(NodeService):
+    """Takes requests, receives their prompt KV (or computes it here), generates and streams."""
+
+    def __init__(self, state: NodeState) -> None:
+        super().__init__(state)
         self.table: ReservationTable | None = None
         self.receiver = None
+        self.holdback: dict[str, int] = {}  # event loop only: text held back near stop strings
 
-    async def start(self) -> None:
-        engine = await self.start_engine(on_idle=self._expire_leases)
+    def start(self, transport: str) -> str:
+        state = self.state
+        engine = state.engine
         self.table = ReservationTable(engine.arch.num_layers)
-        transport = kv_transfer.resolve_transport(self.node.kv_transport)
+        node = state.node
         self.receiver = kv_transfer.create_receiver(
-            transport, host=self.node.kv_host, port=self.node.kv_port, cluster_token=self.node.cluster_token
+            transport, host=node.kv_host, port=node.kv_port, cluster_token=node.cluster_token
         )
         self.receiver.register_kv_cache(engine.runner.kv_cache)
-        provisional = node_info(engine, self.node, "decode", transport, "")
-        address = self.receiver.start(provisional, self.table, self._on_commit)
-        self.info = node_info(engine, self.node, "decode", transport, address)
-        self.loop.start()
-        logger.info("decode node %s ready: KV via %s at %s", self.info.node_id, transport, address)
+        provisional = node_info(engine, node, state.role, transport, "")
+        return self.receiver.start(provisional, self.table, self._on_commit)
 
     @property
     def transfer_bytes(self) -> int:
@@ -81,20 +84,28 @@ class DecodeNode(NodeState):
     def stop(self) -> None:
         if self.receiver is not None:
             self.receiver.close()
-        if self.loop is not None:
-            self.loop.stop()
 
     # -- engine thread -------------------------------------------------------------------------
 
-    def _reserve(self, engine: LLMEngine, msg: ReserveRequest, deadline: float) -> list[int] | None:
+    def reserve(self, engine: LLMEngine, msg: ReserveRequest, deadline: float) -> list[int] | None:
+        """Reserve blocks for KV computed elsewhere; None when the node has too few free now."""
         block_ids = engine.reserve_remote(msg.request_id, msg.prompt_token_ids, msg.params)
         if block_ids is not None:
             self.table.add(msg.request_id, block_ids, deadline)
         return block_ids
 
+    def add_local(self, engine: LLMEngine, msg: ReserveRequest) -> bool:
+        """Queue a prompt to be computed here; False when the blocks it needs are not free now."""
+        bs = engine.config.cache.block_size
+        needed = -(-(len(msg.prompt_token_ids) + 1) // bs)
+        if needed > engine.scheduler.kv.num_free_blocks:
+            return False
+        engine.add_request(msg.request_id, None, msg.params, prompt_token_ids=msg.prompt_token_ids)
+        return True
+
     def _on_commit(self, commit: KVCommit) -> None:
         # Receiver thread: hand over to the engine thread.
-        self.loop.submit(lambda engine: self._landed(engine, commit))
+        self.state.loop.submit(lambda engine: self._landed(engine, commit))
 
     def _landed(self, engine: LLMEngine, commit: KVCommit) -> None:
         self.table.release(commit.request_id)
@@ -103,20 +114,18 @@ class DecodeNode(NodeState):
             commit.request_id, commit.first_token, logprobs, commit.generator_state, commit.num_cached_tokens
         )
         if output is not None:
-            self.loop.publish(output)
+            self.state.loop.publish(output)
 
-    def _expire_leases(self) -> None:
+    def on_idle(self) -> None:
         for request_id in self.table.expired():
-            self._end(self.engine, request_id, RequestStatus.FINISHED_ERROR, LEASE_EXPIRED)
+            self.state.end_request(request_id, RequestStatus.FINISHED_ERROR, LEASE_EXPIRED)
 
-    def _end(self, engine: LLMEngine, request_id: str, status: RequestStatus, message: str) -> None:
-        """Release the reservation first (late frames are refused), then free the blocks."""
+    def forget(self, request_id: str) -> None:
+        """Release the reservation first, so late frames are refused before the blocks are freed."""
         self.table.release(request_id)
-        known = request_id in engine.scheduler.requests
-        engine.abort_request([request_id], status)
-        if known:
-            logger.info("request %s ended: %s", request_id, message)
-            self.loop.publish(error_output(request_id, message))
+
+    def add_routes(self, app: FastAPI) -> None:
+        add_decode_routes(app, self)
 
 
 def _event(out: RequestOutput, sent_tokens: int, sent_text: int, hold: int) -> tuple[TokenEvent, int, int]:
@@ -142,9 +151,19 @@ def _event(out: RequestOutput, sent_tokens: int, sent_text: int, hold: int) -> t
 
 
 def create_app(engine_config: EngineConfig, node: NodeConfig) -> FastAPI:
-    state = DecodeNode(engine_config, node)
-    holdback: dict[str, int] = {}
-    app = node_app(state)
+    """A decode node (``--role decode``), or with ``--role both`` a co-located node that also
+    prefills: it serves whole requests itself and can take either half for other nodes."""
+    state = NodeState(engine_config, node)
+    state.services.append(DecodeService(state))
+    if node.role == "both":
+        state.services.append(PrefillService(state))
+    return node_app(state)
+
+
+def add_decode_routes(app: FastAPI, service: DecodeService) -> None:
+    state = service.state
+    node = state.node
+    holdback = service.holdback
 
     @app.post("/internal/reserve")
     async def reserve(request: Request):
@@ -154,16 +173,18 @@ def create_app(engine_config: EngineConfig, node: NodeConfig) -> FastAPI:
         deadline = time.time() + lease
         state.loop.subscribe(msg.request_id)
         try:
-            block_ids = await state.loop.call(lambda e: state._reserve(e, msg, deadline))
+            if msg.local_prefill:
+                taken = await state.loop.call(lambda e: service.add_local(e, msg))
+                block_ids = [] if taken else None
+            else:
+                block_ids = await state.loop.call(lambda e: service.reserve(e, msg, deadline))
         except ValueError as e:
             state.loop.unsubscribe(msg.request_id)
             return error_response(400, str(e))
         if block_ids is None:
             state.loop.unsubscribe(msg.request_id)
             return error_response(503, "decode node has no free KV blocks for this prompt now", "overloaded")
-        bs = state.engine.config.cache.block_size
         holdback[msg.request_id] = max((len(s) for s in msg.params.stop), default=1) - 1
-        assert len(block_ids) == -(-len(msg.prompt_token_ids) // bs)
         return msgpack_response(
             LandingDescriptor(
                 request_id=msg.request_id,
@@ -171,7 +192,8 @@ def create_app(engine_config: EngineConfig, node: NodeConfig) -> FastAPI:
                 kv_address=state.info.kv_address,
                 block_ids=block_ids,
                 num_prompt_tokens=len(msg.prompt_token_ids),
-                lease_deadline=deadline,
+                lease_deadline=0.0 if msg.local_prefill else deadline,
+                local_prefill=msg.local_prefill,
             )
         )
 
@@ -199,19 +221,7 @@ def create_app(engine_config: EngineConfig, node: NodeConfig) -> FastAPI:
                 if not finished:  # the proxy went away: stop spending work on it
                     state.loop.unsubscribe(rid)
                     state.loop.submit(
-                        lambda e: state._end(e, rid, RequestStatus.FINISHED_ABORTED, "client gone")
+                        lambda e: state.end_request(rid, RequestStatus.FINISHED_ABORTED, "client gone")
                     )
 
         return StreamingResponse(events(), media_type="application/octet-stream")
-
-    @app.post("/internal/abort")
-    async def abort(request: Request):
-        check_token(request, node.cluster_token)
-        msg: AbortRequest = await read_message(request, AbortRequest)
-        holdback.pop(msg.request_id, None)
-        await state.loop.call(
-            lambda e: state._end(e, msg.request_id, RequestStatus.FINISHED_ABORTED, "aborted")
-        )
-        return msgpack_response(msg)
-
-    return app

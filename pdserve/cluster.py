@@ -10,6 +10,7 @@ SIGTERM, or when any child dies.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -69,6 +70,58 @@ def _tail(path: Path, n: int = 30) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
     except OSError:
         return ""
+
+
+class LocalRedis:
+    """A ``redis-server`` child on a free loopback port, without persistence (the index is a
+    hint that nodes republish, so nothing on disk is worth keeping)."""
+
+    def __init__(self, log: Path, port: int = 0, binary: str = "") -> None:
+        self.binary = binary or shutil.which("redis-server") or ""
+        self.port = port or free_port()
+        self.log = log
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout_s: float = 10.0) -> None:
+        if not self.binary:
+            raise RuntimeError("redis-server is not installed (on Debian: apt-get install -y redis-server)")
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        cmd = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1"]
+        cmd += ["--save", "", "--appendonly", "no"]
+        with open(self.log, "a") as f:
+            self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited with code {self.proc.returncode}: {_tail(self.log)}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=1) as conn:
+                    conn.sendall(b"PING\r\n")
+                    if conn.recv(16).startswith(b"+PONG"):
+                        return
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"redis-server did not answer on port {self.port} within {timeout_s} s")
+            time.sleep(0.05)
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would (its data is gone; a restart comes up empty)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.kill()
 
 
 class LocalCluster:

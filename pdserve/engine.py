@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve import envs
+from pdserve.block_pool import BlockEvent
 from pdserve.config import EngineConfig
 from pdserve.model_runner import ModelRunner
 from pdserve.models import load_model, resolve_model
@@ -34,7 +35,8 @@ class _RequestState:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, record_block_events: bool = False) -> None:
+        """``record_block_events`` queues the prefix cache's changes for ``take_block_events``."""
         start = time.monotonic()
         self.source = resolve_model(config.model)
         self.arch = ArchConfig.from_hf_config(self.source.hf_config, config.model.max_model_len)
@@ -70,7 +72,12 @@ class LLMEngine:
             )
         self.runner.allocate_kv_cache(num_blocks)
         self.scheduler = Scheduler(
-            config.scheduler, config.cache, num_blocks, self.max_model_len, namespace=self.source.model_id
+            config.scheduler,
+            config.cache,
+            num_blocks,
+            self.max_model_len,
+            namespace=self.source.model_id,
+            record_events=record_block_events,
         )
         self.sampler = Sampler(self.eos_token_ids, seed=config.model.seed, device=config.torch_device)
         self._states: dict[str, _RequestState] = {}
@@ -208,6 +215,17 @@ class LLMEngine:
         for request_id in request_ids:
             self.release_held(request_id)
             self._states.pop(request_id, None)
+
+    def take_block_events(self) -> list[BlockEvent]:
+        """Block hashes stored in or evicted from the prefix cache since the last call."""
+        return self.scheduler.kv.pool.take_events()
+
+    def num_pending_prompt_tokens(self) -> int:
+        """Prompt tokens queued or running that are not computed yet (the node's prefill backlog)."""
+        s = self.scheduler
+        return sum(
+            max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in (*s.waiting, *s.running)
+        )
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -56,13 +56,18 @@ class NodeLoad(Message):
     waiting_for_kv: int
     free_blocks: int
     total_blocks: int
+    pending_prompt_tokens: int = 0  # prompt tokens queued or running, not computed yet
 
 
 class ReserveRequest(Message):
+    """Take a request on a decode node: reserve blocks for KV computed elsewhere, or with
+    ``local_prefill`` queue the prompt to be computed there (conditional disaggregation)."""
+
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     lease_s: float
+    local_prefill: bool = False
 
 
 class LandingDescriptor(Message):
@@ -74,6 +79,7 @@ class LandingDescriptor(Message):
     block_ids: list[int]
     num_prompt_tokens: int
     lease_deadline: float  # unix time after which the reservation is void
+    local_prefill: bool = False  # the node computes the prompt itself: no KV to send, no lease
 
 
 class StreamRequest(Message):

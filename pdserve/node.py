@@ -1,4 +1,5 @@
-"""What prefill and decode nodes share: engine start-up, node info, the internal HTTP plumbing.
+"""What every node shares: engine start-up, services, node info, prefix-index publishing, the
+internal HTTP plumbing.
 
 Internal APIs speak msgpack-encoded ``pdserve.messages`` structs; errors come back as
 OpenAI-style JSON bodies with a 4xx/5xx status so the proxy can pass them on.
@@ -14,11 +15,15 @@ import msgspec
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
+import kv_transfer
 from pdserve.config import EngineConfig, NodeConfig, dtype_name
 from pdserve.engine import LLMEngine
-from pdserve.engine_loop import EngineLoop
-from pdserve.messages import Message, NodeInfo, NodeLoad, decode, encode
+from pdserve.engine_loop import EngineLoop, error_output
+from pdserve.messages import AbortRequest, Message, NodeInfo, NodeLoad, decode, encode
 from pdserve.metrics import CONTENT_TYPE, LATENCY_BUCKETS, Registry
+from pdserve.outputs import RequestOutput
+from pdserve.prefix_index import IndexPublisher, NodeRegistration
+from pdserve.request import RequestStatus
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +58,7 @@ def node_load(engine: LLMEngine) -> NodeLoad:
         waiting_for_kv=len(s.remote),
         free_blocks=s.kv.num_free_blocks,
         total_blocks=s.kv.pool.num_blocks,
+        pending_prompt_tokens=engine.num_pending_prompt_tokens(),
     )
 
 
@@ -122,33 +128,118 @@ class NodeMetrics:
         return self.registry.render()
 
 
-class NodeState:
-    """Engine, loop and identity of a running node, set up in the app's lifespan."""
+class NodeService:
+    """One role's part of a node: ``prefill_node.PrefillService`` computes prompts for decode
+    nodes, ``decode_node.DecodeService`` takes requests and generates. A ``both`` node runs the
+    two on one engine. Hooks marked *engine thread* run between engine steps."""
 
-    def __init__(self, engine_config: EngineConfig, node: NodeConfig, role: str) -> None:
+    def __init__(self, state: NodeState) -> None:
+        self.state = state
+
+    def start(self, transport: str) -> str:
+        """Set up the service's KV transport end (event loop, engine loaded); returns the
+        address peers send KV to, or "" when the service receives none."""
+        return ""
+
+    def ready(self) -> None:
+        """The node's info is final and the engine loop is about to start (event loop)."""
+
+    def stop(self) -> None: ...
+
+    def after_step(self, outputs: list[RequestOutput]) -> None:
+        """After each engine step (engine thread)."""
+
+    def on_idle(self) -> None:
+        """Between command batches and steps, also when idle (engine thread)."""
+
+    def forget(self, request_id: str) -> None:
+        """Drop the service's own state of a request that is ending (engine thread)."""
+
+    def add_routes(self, app: FastAPI) -> None: ...
+
+    @property
+    def transfer_bytes(self) -> int:
+        return 0
+
+
+class NodeState:
+    """Engine, loop, identity and services of a running node, set up in the app's lifespan."""
+
+    def __init__(self, engine_config: EngineConfig, node: NodeConfig) -> None:
         self.engine_config = engine_config
         self.node = node
-        self.role = role
+        self.role = node.role
+        self.services: list[NodeService] = []
         self.engine: LLMEngine | None = None
         self.loop: EngineLoop | None = None
         self.info: NodeInfo | None = None
+        self.publisher: IndexPublisher | None = None
         self.metrics = NodeMetrics()
 
     @property
     def transfer_bytes(self) -> int:
-        """KV bytes this node's transport moved; roles override."""
-        return 0
+        return sum(s.transfer_bytes for s in self.services)
 
     async def start(self) -> None:
-        raise NotImplementedError
+        node = self.node
+        publish = bool(node.redis_url)
+        engine = self.engine = await asyncio.to_thread(LLMEngine, self.engine_config, publish)
+        self.loop = EngineLoop(
+            engine, asyncio.get_running_loop(), after_step=self._after_step, on_idle=self._on_idle
+        )
+        transport = kv_transfer.resolve_transport(node.kv_transport)
+        addresses = [s.start(transport) for s in self.services]
+        self.info = node_info(engine, node, self.role, transport, next((a for a in addresses if a), ""))
+        if publish:
+            url = f"http://{node.host}:{node.port}"
+            self.publisher = IndexPublisher(
+                node.redis_url,
+                self.info.model_id,
+                NodeRegistration(self.info.node_id, self.role, url),
+                ttl_s=node.heartbeat_ttl_s,
+            )
+            self.publisher.start()
+        for service in self.services:
+            service.ready()
+        self.loop.start()
+        where = f" at {self.info.kv_address}" if self.info.kv_address else ""
+        index = f"; prefix index at {node.redis_url}" if publish else ""
+        logger.info("%s node %s ready: KV via %s%s%s", self.role, self.info.node_id, transport, where, index)
 
     def stop(self) -> None:
-        raise NotImplementedError
+        for service in self.services:
+            service.stop()
+        if self.loop is not None:
+            self.loop.stop()
+        if self.publisher is not None:
+            self.publisher.stop()
 
-    async def start_engine(self, **loop_hooks) -> LLMEngine:
-        self.engine = await asyncio.to_thread(LLMEngine, self.engine_config)
-        self.loop = EngineLoop(self.engine, asyncio.get_running_loop(), **loop_hooks)
-        return self.engine
+    # -- engine thread -------------------------------------------------------------------------
+
+    def _after_step(self, outputs: list[RequestOutput]) -> None:
+        for service in self.services:
+            service.after_step(outputs)
+        self._publish_block_events()
+
+    def _on_idle(self) -> None:
+        for service in self.services:
+            service.on_idle()
+        self._publish_block_events()
+
+    def _publish_block_events(self) -> None:
+        if self.publisher is not None:
+            self.publisher.publish(self.engine.take_block_events())
+
+    def end_request(self, request_id: str, status: RequestStatus, message: str) -> None:
+        """End a request wherever it is; its subscribers get an error output saying why."""
+        for service in self.services:
+            service.forget(request_id)
+        engine = self.engine
+        known = request_id in engine.scheduler.requests or request_id in engine.scheduler.held
+        engine.abort_request([request_id], status)
+        if known:
+            logger.info("request %s ended: %s", request_id, message)
+            self.loop.publish(error_output(request_id, message))
 
 
 def node_app(state: NodeState) -> FastAPI:
@@ -165,6 +256,8 @@ def node_app(state: NodeState) -> FastAPI:
     app = FastAPI(title=f"pdserve {state.role} node", lifespan=lifespan)
     app.state.node = state
     add_common_routes(app, state)
+    for service in state.services:
+        service.add_routes(app)
     return app
 
 
@@ -194,3 +287,11 @@ def add_common_routes(app: FastAPI, state: NodeState) -> None:
     async def load(request: Request):
         check_token(request, state.node.cluster_token)
         return msgpack_response(await state.loop.call(node_load))
+
+    @app.post("/internal/abort")
+    async def abort(request: Request):
+        check_token(request, state.node.cluster_token)
+        msg: AbortRequest = await read_message(request, AbortRequest)
+        rid = msg.request_id
+        await state.loop.call(lambda e: state.end_request(rid, RequestStatus.FINISHED_ABORTED, "aborted"))
+        return msgpack_response(msg)

@@ -29,40 +29,40 @@ from kv_transfer import KVTransferError
 from pdserve.config import EngineConfig, NodeConfig
 from pdserve.engine import LLMEngine
 from pdserve.messages import (
-    AbortRequest,
     KVCommit,
     LandingDescriptor,
     LogprobsMsg,
     PrefillRequest,
     PrefillResult,
 )
-from pdserve.node import NodeState, check_token, msgpack_response, node_app, node_info, read_message
+from pdserve.node import NodeService, NodeState, check_token, msgpack_response, node_app, read_message
 from pdserve.outputs import RequestOutput
+from pdserve.request import RequestStatus
 
 logger = logging.getLogger(__name__)
 
 
-class PrefillNode(NodeState):
-    def __init__(self, engine_config: EngineConfig, node: NodeConfig) -> None:
-        super().__init__(engine_config, node, "prefill")
+class PrefillService(NodeService):
+    """Computes prompts whose decode happens on another node, and ships their KV there."""
+
+    def __init__(self, state: NodeState) -> None:
+        super().__init__(state)
         self.sender = None
         self._landing: dict[str, LandingDescriptor] = {}  # engine thread only
         self._blocks_sent: dict[str, int] = {}  # engine thread only: leading blocks already shipped
         # Event loop only: request id -> (decode KV address, next renewal, period).
-        self._renewals: dict[str, tuple[str, float, float]] = {}
+        self.renewals: dict[str, tuple[str, float, float]] = {}
         self._renewer: asyncio.Task | None = None
         self._handshakes: dict[str, asyncio.Future] = {}
-        self._transfers: dict[str, asyncio.Future] = {}  # event-loop only
+        self.transfers: dict[str, asyncio.Future] = {}  # event-loop only
 
-    async def start(self) -> None:
-        engine = await self.start_engine(after_step=self._after_step)
-        transport = kv_transfer.resolve_transport(self.node.kv_transport)
-        self.sender = kv_transfer.create_sender(transport, cluster_token=self.node.cluster_token)
-        self.sender.register_kv_cache(engine.runner.kv_cache)
-        self.info = node_info(engine, self.node, "prefill", transport, "")
-        self.loop.start()
+    def start(self, transport: str) -> str:
+        self.sender = kv_transfer.create_sender(transport, cluster_token=self.state.node.cluster_token)
+        self.sender.register_kv_cache(self.state.engine.runner.kv_cache)
+        return ""
+
+    def ready(self) -> None:
         self._renewer = asyncio.ensure_future(self._renew_leases())
-        logger.info("prefill node %s ready: KV via %s", self.info.node_id, transport)
 
     @property
     def transfer_bytes(self) -> int:
@@ -71,8 +71,6 @@ class PrefillNode(NodeState):
     def stop(self) -> None:
         if self._renewer is not None:
             self._renewer.cancel()
-        if self.loop is not None:
-            self.loop.stop()
         if self.sender is not None:
             self.sender.close()
 
@@ -82,15 +80,16 @@ class PrefillNode(NodeState):
         if fut is None or (
             fut.done() and fut.exception() is not None and "refused" not in str(fut.exception())
         ):
+            node = self.state.node
             fut = asyncio.ensure_future(
-                asyncio.to_thread(self.sender.handshake, address, self.info, self.node.kv_transfer_timeout_s)
+                asyncio.to_thread(self.sender.handshake, address, self.state.info, node.kv_transfer_timeout_s)
             )
             self._handshakes[address] = fut
         await asyncio.shield(fut)
 
     # -- engine thread -------------------------------------------------------------------------
 
-    def _add(self, engine: LLMEngine, msg: PrefillRequest) -> None:
+    def add(self, engine: LLMEngine, msg: PrefillRequest) -> None:
         params = msg.params
         # Only the first token is sampled here; stop strings are the decode node's concern.
         params = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1), stop=())
@@ -108,15 +107,15 @@ class PrefillNode(NodeState):
             await asyncio.sleep(0.05)
             now = time.monotonic()
             due: dict[str, list[str]] = {}
-            for request_id, (address, at, period) in list(self._renewals.items()):
+            for request_id, (address, at, period) in list(self.renewals.items()):
                 if now >= at:
                     due.setdefault(address, []).append(request_id)
-                    self._renewals[request_id] = (address, now + period, period)
+                    self.renewals[request_id] = (address, now + period, period)
             for address, request_ids in due.items():
-                self.sender.renew(address, self.info, request_ids)
+                self.sender.renew(address, self.state.info, request_ids)
 
-    def _after_step(self, outputs: list[RequestOutput]) -> None:
-        engine = self.engine
+    def after_step(self, outputs: list[RequestOutput]) -> None:
+        engine = self.state.engine
         self._send_finished_chunks(engine)
         for out in outputs:
             if not out.finished:
@@ -139,12 +138,12 @@ class PrefillNode(NodeState):
             try:
                 fut = self.sender.send(
                     landing.kv_address,
-                    self.info,
+                    self.state.info,
                     out.request_id,
                     src[sent:],
                     landing.block_ids[sent:],
                     commit,
-                    self.node.kv_transfer_timeout_s,
+                    self.state.node.kv_transfer_timeout_s,
                 )
             except Exception as e:
                 fut = Future()
@@ -172,12 +171,12 @@ class PrefillNode(NodeState):
             try:
                 self.sender.send(
                     landing.kv_address,
-                    self.info,
+                    self.state.info,
                     request_id,
                     src,
                     landing.block_ids[sent:ready],
                     None,
-                    self.node.kv_transfer_timeout_s,
+                    self.state.node.kv_transfer_timeout_s,
                 )
             except Exception:  # the commit will report the missing blocks
                 logger.exception("sending finished blocks of %s failed", request_id)
@@ -185,11 +184,11 @@ class PrefillNode(NodeState):
 
     def _transfer_done(self, request_id: str, fut: Future, started: float) -> None:
         if fut.exception() is None:
-            self.metrics.transfer_seconds.observe(time.monotonic() - started)
-        self.loop.loop.call_soon_threadsafe(self._resolve, request_id, fut)
+            self.state.metrics.transfer_seconds.observe(time.monotonic() - started)
+        self.state.loop.loop.call_soon_threadsafe(self._resolve, request_id, fut)
 
     def _resolve(self, request_id: str, fut: Future) -> None:
-        waiter = self._transfers.pop(request_id, None)
+        waiter = self.transfers.pop(request_id, None)
         if waiter is not None and not waiter.done():
             exc = fut.exception()
             if exc is not None:
@@ -197,10 +196,12 @@ class PrefillNode(NodeState):
             else:
                 waiter.set_result(fut.result())
 
-    def _abort(self, engine: LLMEngine, request_id: str) -> None:
+    def forget(self, request_id: str) -> None:
         self._landing.pop(request_id, None)
         self._blocks_sent.pop(request_id, None)
-        engine.abort_request([request_id])
+
+    def add_routes(self, app: FastAPI) -> None:
+        add_prefill_routes(app, self)
 
 
 def _validate(msg: PrefillRequest, block_size: int) -> str:
@@ -218,8 +219,15 @@ def _validate(msg: PrefillRequest, block_size: int) -> str:
 
 
 def create_app(engine_config: EngineConfig, node: NodeConfig) -> FastAPI:
-    state = PrefillNode(engine_config, node)
-    app = node_app(state)
+    """A prefill node (``--role prefill``)."""
+    state = NodeState(engine_config, node)
+    state.services.append(PrefillService(state))
+    return node_app(state)
+
+
+def add_prefill_routes(app: FastAPI, service: PrefillService) -> None:
+    state = service.state
+    node = state.node
 
     def fail(msg: PrefillRequest, error: str) -> PrefillResult:
         logger.warning("prefill of %s failed: %s", msg.request_id, error)
@@ -233,26 +241,26 @@ def create_app(engine_config: EngineConfig, node: NodeConfig) -> FastAPI:
         if error:
             return msgpack_response(fail(msg, error), 500)  # a cluster bug, not the client's
         try:
-            await state.handshake(msg.landing.kv_address)
+            await service.handshake(msg.landing.kv_address)
         except KVTransferError as e:
             return msgpack_response(fail(msg, str(e)), 502)
         rid = msg.request_id
         period = max(0.1, (msg.landing.lease_deadline - time.time()) / 3)
-        state._renewals[rid] = (msg.landing.kv_address, time.monotonic() + period, period)
+        service.renewals[rid] = (msg.landing.kv_address, time.monotonic() + period, period)
         try:
             return await _prefill(msg)
         finally:
-            state._renewals.pop(rid, None)
+            service.renewals.pop(rid, None)
 
     async def _prefill(msg: PrefillRequest):
         rid = msg.request_id
         outputs = state.loop.subscribe(rid)
-        transfer = state._transfers[rid] = asyncio.get_running_loop().create_future()
+        transfer = service.transfers[rid] = asyncio.get_running_loop().create_future()
         try:
-            await state.loop.call(lambda e: state._add(e, msg))
+            await state.loop.call(lambda e: service.add(e, msg))
         except ValueError as e:
             state.loop.unsubscribe(rid)
-            state._transfers.pop(rid, None)
+            service.transfers.pop(rid, None)
             return msgpack_response(fail(msg, str(e)), 400)
         try:
             out = await outputs.get()
@@ -263,19 +271,9 @@ def create_app(engine_config: EngineConfig, node: NodeConfig) -> FastAPI:
             return msgpack_response(fail(msg, str(e)), 502)
         except asyncio.CancelledError:  # the proxy hung up
             state.loop.unsubscribe(rid)
-            state._transfers.pop(rid, None)
-            state.loop.submit(lambda e: state._abort(e, rid))
+            service.transfers.pop(rid, None)
+            state.loop.submit(lambda e: state.end_request(rid, RequestStatus.FINISHED_ABORTED, "proxy gone"))
             raise
         return msgpack_response(
             PrefillResult(request_id=rid, ok=True, num_cached_tokens=out.num_cached_tokens)
         )
-
-    @app.post("/internal/abort")
-    async def abort(request: Request):
-        check_token(request, node.cluster_token)
-        msg: AbortRequest = await read_message(request, AbortRequest)
-        state.loop.unsubscribe(msg.request_id)
-        await state.loop.call(lambda e: state._abort(e, msg.request_id))
-        return msgpack_response(msg)
-
-    return app

@@ -93,3 +93,18 @@ def make_tiny_hf_model(folder: Path, arch: str, seed: int = 0) -> Path:
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny-models")
     return {arch: make_tiny_hf_model(root / arch, arch) for arch in ("qwen2", "qwen3", "llama3")}
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    """A real redis-server on a free port, for one test (installed by the README test command)."""
+    from pdserve.cluster import LocalRedis
+
+    server = LocalRedis(tmp_path / "redis.log")
+    if not server.binary:
+        pytest.fail("redis-server is missing: the README test command installs it with apt-get")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
