@@ -169,6 +169,25 @@ def _cmd_bench_serve(args: argparse.Namespace) -> None:
     sys.exit(serve.run(args))
 
 
+# The scripts behind these have their own argparse main(argv); `pdserve bench NAME ARGS...` runs
+# `python -m pdserve.benchmarks.MODULE ARGS...` in this process, so behaviour and the command line
+# that their JSON records are those of the module run.
+_SCRIPT_BENCHMARKS = {
+    "transfer": ("kv_transfer", "zmq KV transfer between two processes against raw TCP (CPU)"),
+    "kernels": ("kernels", "Triton kernels against copy/SDPA anchors (GPU; --dry-run on the CPU)"),
+    "gpu-engine": ("gpu_engine", "8B-shaped engine against transformers and the rooflines (GPU; --dry-run)"),
+}
+
+
+def _cmd_bench_script(args: argparse.Namespace) -> None:
+    import importlib
+
+    module_name = _SCRIPT_BENCHMARKS[args.bench_command][0]
+    module = importlib.import_module(f"pdserve.benchmarks.{module_name}")
+    sys.argv = [module.__file__, *args.script_args]
+    module.main(args.script_args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -220,6 +239,16 @@ def build_parser() -> argparse.ArgumentParser:
     srv = bench_sub.add_parser("serve", help="load an OpenAI-compatible server: latency, throughput, goodput")
     serve.add_cli_args(srv)
     srv.set_defaults(func=_cmd_bench_serve)
+    for name, (_, help_text) in _SCRIPT_BENCHMARKS.items():
+        # No options of its own: every word after the name goes to the script (--help too).
+        script = bench_sub.add_parser(
+            name,
+            help=f"{help_text}; `pdserve bench {name} --help` for its flags",
+            add_help=False,
+            prefix_chars="\0",
+        )
+        script.add_argument("script_args", nargs=argparse.REMAINDER)
+        script.set_defaults(func=_cmd_bench_script)
     return parser
 
 

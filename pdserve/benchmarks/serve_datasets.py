@@ -1,0 +1,225 @@
+"""Workloads of `pdserve bench serve`: conversations of one or more user turns.
+
+Every dataset yields ``Conversation``s. A single-turn request is a conversation of one
+turn; in a multi-turn conversation each later turn is sent after the previous answer
+arrived, with the earlier turns and their answers in front of it.
+
+* ``random``: ``--num-prompts`` prompts of ``--input-len`` tokens (uniform within
+  ``--range-ratio`` around it) asking for ``--output-len`` tokens (same spread). With
+  ``--tokenizer`` a prompt is random token ids of that tokenizer, decoded (and re-encoded
+  and cut so that it holds the drawn number of tokens); without one it is random common
+  English words, about one token each in BPE vocabularies.
+* ``shared-prefix``: ``--prefix-groups`` system prompts of ``--prefix-len`` tokens, each with
+  ``--prompts-per-group`` distinct questions of ``--input-len`` tokens, shuffled with
+  ``--seed`` so that groups arrive interleaved.
+* ``multi-turn``: ``--num-prompts`` conversations of ``--num-turns`` user turns, each turn
+  drawn like a ``random`` prompt.
+* ``jsonl``: one JSON object per line of ``--dataset-path``, with one of
+    - ``"prompt": "..."``: one request (the user message; the raw prompt on /v1/completions);
+    - ``"messages": [{"role": ..., "content": ...}, ...]``: one request with this history,
+      ending with a user message;
+    - ``"turns": ["...", "..."]`` and optionally ``"system": "..."``: a multi-turn
+      conversation, one user turn per string;
+  and optionally ``"output_len"`` (or ``"max_tokens"``): an int, or for ``turns`` a list of
+  ints (one per turn); ``--output-len`` otherwise. Blank lines are skipped.
+
+``--num-prompts`` cuts a dataset (or repeats it, for jsonl) to that many conversations.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+DATASETS = ("random", "shared-prefix", "multi-turn", "jsonl")
+
+# Common English words that BPE vocabularies (GPT-2, Llama, SmolLM2) hold as single tokens.
+_WORD_TEXT = """
+the of and to in is was for that on as with by he at from his an were are which this be or has had
+not but first one their its new after who they have her she two been other when there all during
+into school time may years more most only over city some world would where later up such used many
+can state about national out known university united then made also part team three film high well
+people year between under second both group game through series called house life while could south
+north day work music war four five place early being back club party since same river area water
+name land small great long light hand end line old number air field power sound word point way
+market page king story book paper night color model order money table stone road plan wind fire tree
+bird green blue red
+"""
+WORDS = tuple(dict.fromkeys(_WORD_TEXT.split()))
+
+
+@dataclass(frozen=True)
+class Message:
+    role: str
+    content: str
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One user message and the number of tokens to ask for in reply."""
+
+    content: str
+    output_len: int
+
+    def __post_init__(self) -> None:
+        assert self.output_len >= 1, "a turn asks for at least one token"
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """History sent before the first turn (system prompt, earlier exchanges), then user turns."""
+
+    turns: tuple[Turn, ...]
+    preamble: tuple[Message, ...] = ()
+
+    def __post_init__(self) -> None:
+        assert self.turns, "a conversation has at least one turn"
+
+
+@dataclass(frozen=True)
+class DatasetConfig:
+    """What the --dataset flags ask for; lengths are tokens (or words without a tokenizer)."""
+
+    name: str = "random"
+    num_prompts: int | None = None
+    """None: the dataset's own size (100 for the synthetic random and multi-turn sets)."""
+    input_len: int = 128
+    output_len: int = 128
+    range_ratio: float = 0.0
+    prefix_groups: int = 4
+    prompts_per_group: int = 8
+    prefix_len: int = 256
+    num_turns: int = 3
+    path: str = ""
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.name not in DATASETS:
+            raise ValueError(f"unknown dataset {self.name!r}; choose from {', '.join(DATASETS)}")
+        if not 0 <= self.range_ratio < 1:
+            raise ValueError(f"--range-ratio must be in [0, 1), got {self.range_ratio}")
+        if self.num_prompts is not None and self.num_prompts < 1:
+            raise ValueError("--num-prompts must be at least 1")
+        if min(self.input_len, self.output_len, self.prefix_groups, self.prompts_per_group) < 1:
+            raise ValueError("lengths and counts must be at least 1")
+        if self.num_turns < 1:
+            raise ValueError("--num-turns must be at least 1")
+        if self.name == "jsonl" and not self.path:
+            raise ValueError("--dataset jsonl needs --dataset-path")
+
+
+class TextSource:
+    """Random text of a given number of tokens: tokenizer ids decoded, or words."""
+
+    def __init__(self, rng: random.Random, tokenizer=None) -> None:
+        self.rng = rng
+        self.tokenizer = tokenizer
+        if tokenizer is not None:
+            special = set(tokenizer.all_special_ids)
+            self.ids = [i for i in range(len(tokenizer)) if i not in special]
+
+    def text(self, num_tokens: int) -> str:
+        if self.tokenizer is None:
+            return " ".join(self.rng.choice(WORDS) for _ in range(num_tokens))
+        ids = [self.rng.choice(self.ids) for _ in range(num_tokens)]
+        # Decoding and re-encoding may merge or split tokens: cut (or pad) to the drawn count.
+        ids = self.tokenizer.encode(self.tokenizer.decode(ids), add_special_tokens=False)[:num_tokens]
+        while len(ids) < num_tokens:
+            ids.append(self.rng.choice(self.ids))
+        return self.tokenizer.decode(ids)
+
+
+def _spread(rng: random.Random, mean: int, ratio: float) -> int:
+    """A length uniform in [mean * (1 - ratio), mean * (1 + ratio)], at least 1 (vLLM's range ratio)."""
+    return max(1, rng.randint(int(mean * (1 - ratio)), int(mean * (1 + ratio))))
+
+
+def _random(cfg: DatasetConfig, src: TextSource, rng: random.Random, num_turns: int) -> list[Conversation]:
+    out = []
+    for _ in range(cfg.num_prompts or 100):
+        turns = tuple(
+            Turn(
+                src.text(_spread(rng, cfg.input_len, cfg.range_ratio)),
+                _spread(rng, cfg.output_len, cfg.range_ratio),
+            )
+            for _ in range(num_turns)
+        )
+        out.append(Conversation(turns))
+    return out
+
+
+def _shared_prefix(cfg: DatasetConfig, src: TextSource, rng: random.Random) -> list[Conversation]:
+    out = []
+    for _ in range(cfg.prefix_groups):
+        system = Message("system", src.text(cfg.prefix_len))
+        for _ in range(cfg.prompts_per_group):
+            out.append(Conversation((Turn(src.text(cfg.input_len), cfg.output_len),), (system,)))
+    rng.shuffle(out)
+    return out[: cfg.num_prompts] if cfg.num_prompts else out
+
+
+def _output_lens(line: dict, default: int, n: int, where: str) -> list[int]:
+    value = line.get("output_len", line.get("max_tokens", default))
+    values = value if isinstance(value, list) else [value] * n
+    if len(values) != n or not all(isinstance(v, int) and v >= 1 for v in values):
+        raise ValueError(f"{where}: output_len must be a positive int (or one per turn), got {value!r}")
+    return values
+
+
+def parse_jsonl_line(line: dict, default_output_len: int, where: str = "jsonl") -> Conversation:
+    """One line of a jsonl dataset (fields in the module docstring) as a conversation."""
+    if not isinstance(line, dict):
+        raise ValueError(f"{where}: expected a JSON object")
+    if isinstance(line.get("prompt"), str):
+        (n,) = _output_lens(line, default_output_len, 1, where)
+        return Conversation((Turn(line["prompt"], n),))
+    if isinstance(line.get("messages"), list):
+        msgs = [Message(str(m["role"]), str(m.get("content") or "")) for m in line["messages"]]
+        if not msgs or msgs[-1].role != "user":
+            raise ValueError(f"{where}: messages must end with a user message")
+        (n,) = _output_lens(line, default_output_len, 1, where)
+        return Conversation((Turn(msgs[-1].content, n),), tuple(msgs[:-1]))
+    if isinstance(line.get("turns"), list) and line["turns"]:
+        texts = [str(t) for t in line["turns"]]
+        lens = _output_lens(line, default_output_len, len(texts), where)
+        preamble = (Message("system", str(line["system"])),) if line.get("system") else ()
+        return Conversation(tuple(Turn(t, n) for t, n in zip(texts, lens)), preamble)
+    raise ValueError(f"{where}: a line needs 'prompt', 'messages' or 'turns'")
+
+
+def _jsonl(cfg: DatasetConfig) -> list[Conversation]:
+    out = []
+    with open(Path(cfg.path)) as f:
+        for i, raw in enumerate(f, 1):
+            if raw.strip():
+                try:
+                    line = json.loads(raw)
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"{cfg.path}:{i}: not JSON: {exc}") from None
+                out.append(parse_jsonl_line(line, cfg.output_len, f"{cfg.path}:{i}"))
+    if not out:
+        raise ValueError(f"{cfg.path}: no requests")
+    if cfg.num_prompts:
+        out = [out[i % len(out)] for i in range(cfg.num_prompts)]
+    return out
+
+
+def build_dataset(cfg: DatasetConfig, tokenizer=None) -> list[Conversation]:
+    """The conversations of ``cfg``; the same config and tokenizer always give the same list."""
+    rng = random.Random(cfg.seed)
+    src = TextSource(random.Random(cfg.seed + 1), tokenizer)
+    if cfg.name == "random":
+        return _random(cfg, src, rng, 1)
+    if cfg.name == "multi-turn":
+        return _random(cfg, src, rng, cfg.num_turns)
+    if cfg.name == "shared-prefix":
+        return _shared_prefix(cfg, src, rng)
+    return _jsonl(cfg)
+
+
+def render_prompt(messages: Sequence[Message]) -> str:
+    """The text sent on /v1/completions for a message list: the contents, one paragraph each."""
+    return "\n\n".join(m.content for m in messages)
