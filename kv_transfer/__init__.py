@@ -29,9 +29,25 @@ The API has two halves.
   peer's reserved blocks and returns a future that resolves when the peer acked the
   commit, or fails with a clear error on timeout or a dead peer.
 
-Backends: ``zmq`` (CPU-staged frames over TCP; everywhere). ``nccl`` and ``nixl``
-come with the GPU transfer work.
+Backends (``kv_transfer/<name>_backend.py``): every one speaks the same control protocol on a
+ZeroMQ connection (handshake, transport set-up, renewals, commits: ``zmq_backend``) and moves
+the blocks on its own data plane:
+
+* ``zmq``: CPU-staged frames on that connection; runs everywhere.
+* ``nixl``: the decode node READs the blocks by descriptor from the prefill node's registered
+  staging arena (UCX; VRAM on GPUs, DRAM on the CPU).
+* ``nccl``: send/recv on a communicator per prefill-decode pair (torch.distributed's NCCL
+  backend for CUDA caches, gloo for CPU caches: one code path), on its own CUDA stream.
+
+A node is configured with ``auto``, one name, or a comma-separated order of preference. A
+sender offers its list at set-up and the receiver takes the first one it accepts too, so two
+``auto`` nodes agree on the best transport both have; with nothing in common the set-up is
+refused, naming both lists. ``auto`` is nixl > nccl > zmq among what is available on a host
+with CUDA, and zmq alone on a CPU-only host, where zmq is the default (pick ``nixl`` or ``nccl``
+explicitly to move DRAM with them).
 """
+
+import functools
 
 from kv_transfer.base import (
     KVReceiver,
@@ -46,36 +62,115 @@ __all__ = [
     "KVSender",
     "KVTransferError",
     "ReservationTable",
+    "TRANSPORTS",
+    "auto_transports",
+    "available_transports",
     "check_compatible",
     "create_receiver",
     "create_sender",
-    "available_transports",
+    "resolve_transport",
+    "transport_preferences",
 ]
 
+TRANSPORTS = ("nixl", "nccl", "zmq")
+"""Every backend, best first."""
 
-def available_transports() -> list[str]:
-    return ["zmq"]
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _nccl_available() -> bool:
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return False
+    return dist.is_nccl_available() if _cuda() else dist.is_gloo_available()
+
+
+@functools.cache
+def available_transports() -> tuple[str, ...]:
+    """Backends that can run here, best first (nccl runs on gloo without CUDA)."""
+    from kv_transfer.nixl_backend import nixl_available
+
+    found = {"nixl": nixl_available(), "nccl": _nccl_available(), "zmq": True}
+    return tuple(name for name in TRANSPORTS if found[name])
+
+
+def auto_transports() -> tuple[str, ...]:
+    """What ``auto`` offers and accepts: all available transports, best first, on a CUDA host; zmq
+    on a CPU-only one."""
+    return available_transports() if _cuda() else ("zmq",)
+
+
+def transport_preferences(name: str) -> tuple[str, ...]:
+    """``auto``, one transport, or a comma-separated order of preference -> available names."""
+    if name == "auto":
+        return auto_transports()
+    names = tuple(dict.fromkeys(part.strip() for part in name.split(",") if part.strip()))
+    unknown = [n for n in names if n not in TRANSPORTS]
+    if not names or unknown:
+        raise ValueError(f"unknown KV transport {name!r}; choose auto or from {', '.join(TRANSPORTS)}")
+    missing = [n for n in names if n not in available_transports()]
+    if missing:
+        raise ValueError(
+            f"KV transport {', '.join(missing)} is not available here "
+            f"(available: {', '.join(available_transports())})"
+        )
+    return names
 
 
 def resolve_transport(name: str) -> str:
-    """`auto` picks the best available backend; anything else must be available."""
-    available = available_transports()
-    if name == "auto":
-        return available[0]
-    if name not in available:
-        raise ValueError(f"KV transport {name!r} is not available here (available: {', '.join(available)})")
-    return name
+    """The transport a node configured with ``name`` prefers (what its NodeInfo shows)."""
+    return transport_preferences(name)[0]
 
 
-def create_receiver(name: str, **kwargs) -> KVReceiver:
+def create_receiver(
+    name: str,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    cluster_token: str = "",
+    ucx_net_devices: str = "",
+    ucx_tls: str = "",
+) -> KVReceiver:
+    """A decode-side receiver accepting ``name``'s transports (see ``transport_preferences``)."""
     from kv_transfer.zmq_backend import ZmqReceiver
 
-    resolve_transport(name)
-    return ZmqReceiver(**kwargs)
+    names = transport_preferences(name)
+    planes = []
+    if "nixl" in names:
+        from kv_transfer.nixl_backend import NixlReceiverPlane
+
+        planes.append(NixlReceiverPlane(ucx_net_devices=ucx_net_devices, ucx_tls=ucx_tls))
+    if "nccl" in names:
+        from kv_transfer.nccl_backend import NcclReceiverPlane
+
+        planes.append(NcclReceiverPlane())
+    return ZmqReceiver(host, port, cluster_token, planes=planes, transports=names)
 
 
-def create_sender(name: str, **kwargs) -> KVSender:
+def create_sender(
+    name: str,
+    cluster_token: str = "",
+    staging_bytes: int = 0,
+    ucx_net_devices: str = "",
+    ucx_tls: str = "",
+) -> KVSender:
+    """A prefill-side sender offering ``name``'s transports in order (see ``transport_preferences``).
+
+    ``staging_bytes``: nixl's registered staging arena (default: min(1 GiB, a quarter of the cache))."""
     from kv_transfer.zmq_backend import ZmqSender
 
-    resolve_transport(name)
-    return ZmqSender(**kwargs)
+    names = transport_preferences(name)
+    planes = []
+    if "nixl" in names:
+        from kv_transfer.nixl_backend import NixlSenderPlane
+
+        planes.append(NixlSenderPlane(staging_bytes, ucx_net_devices=ucx_net_devices, ucx_tls=ucx_tls))
+    if "nccl" in names:
+        from kv_transfer.nccl_backend import NcclSenderPlane
+
+        planes.append(NcclSenderPlane())
+    return ZmqSender(cluster_token, planes=planes, transports=names)

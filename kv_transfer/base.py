@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -12,6 +13,8 @@ from dataclasses import dataclass, field
 import torch
 
 from pdserve.messages import KVAck, KVCommit, NodeInfo
+
+logger = logging.getLogger(__name__)
 
 # Fields two nodes must agree on before any KV moves between them.
 COMPAT_FIELDS = ("model_id", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "kv_layout")
@@ -42,19 +45,31 @@ class _Reservation:
 
 
 class ReservationTable:
-    """Leases on reserved blocks, shared by the engine thread and the receiver thread.
+    """Leases on reserved blocks, shared by the engine thread and the receiver's threads.
 
-    The receiver writes a frame only while holding the lock and only into blocks of a
-    live, uncommitted reservation; the engine thread releases a reservation under the
-    same lock before it frees the blocks. So a frame either lands before the release
-    or is refused — never into freed (and possibly reused) blocks.
+    A transport writes into the cache only while the table says the blocks belong to a live,
+    uncommitted reservation, and the engine thread releases a reservation here before it frees
+    the blocks. Two ways to write:
+
+    * ``write(..., fn)``: ``fn`` (a local copy) runs under the table's lock, so a frame lands
+      either before the release or not at all (zmq, and nccl's scatter from its receive buffer).
+    * ``begin`` ... ``end``: for a one-sided transfer the receiver starts and cannot stop at
+      will (a NIXL READ into the reserved blocks). ``begin`` pins the reservation; ``release``
+      then waits until every pinned transfer of that request has ended, so it never returns
+      while bytes may still land in blocks about to be freed. Receivers bound every pinned
+      transfer by a deadline after which they cancel it.
     """
+
+    RELEASE_WAIT_S = 120.0
+    """Longest ``release`` waits for pinned transfers (receivers cancel theirs well before)."""
 
     def __init__(self, num_layers: int, clock: Callable[[], float] = time.time) -> None:
         self.num_layers = num_layers
         self._clock = clock
         self._lock = threading.Lock()
+        self._settled = threading.Condition(self._lock)
         self._table: dict[str, _Reservation] = {}
+        self._inflight: dict[str, int] = {}  # request id -> pinned transfers not yet ended
 
     def add(self, request_id: str, block_ids: Sequence[int], deadline: float) -> None:
         with self._lock:
@@ -76,12 +91,34 @@ class ReservationTable:
         return renewed
 
     def release(self, request_id: str) -> None:
-        with self._lock:
+        """Drop the reservation; returns once no transfer can write into its blocks any more."""
+        with self._settled:
             self._table.pop(request_id, None)
+            if not self._settled.wait_for(lambda: not self._inflight.get(request_id), self.RELEASE_WAIT_S):
+                logger.error(
+                    "KV transfer for %s still in flight after %.0f s", request_id, self.RELEASE_WAIT_S
+                )
 
     def __contains__(self, request_id: str) -> bool:
         with self._lock:
             return request_id in self._table
+
+    def _check(self, request_id: str, block_ids: Sequence[int], layer_start: int, layer_end: int) -> str:
+        """Why a write into these blocks is refused now ("" when it may land). Caller holds the lock."""
+        r = self._table.get(request_id)
+        if r is None:
+            return f"no reservation for request {request_id!r} (expired, aborted or unknown)"
+        if r.committed:
+            return f"request {request_id!r} was already committed"
+        if self._clock() > r.deadline:
+            r.error = "lease expired before the KV arrived"
+        elif not 0 <= layer_start < layer_end <= self.num_layers:
+            r.error = f"layer range [{layer_start}, {layer_end}) outside [0, {self.num_layers})"
+        elif not block_ids or not set(block_ids) <= r.allowed:
+            r.error = f"block ids {list(block_ids)[:8]} are not all reserved for {request_id!r}"
+        else:
+            return ""
+        return r.error
 
     def write(
         self,
@@ -93,23 +130,41 @@ class ReservationTable:
     ) -> str:
         """Run ``fn`` (the copy into the cache) if the frame fits the reservation; returns an error or ""."""
         with self._lock:
-            r = self._table.get(request_id)
-            if r is None:
-                return f"no reservation for request {request_id!r} (expired, aborted or unknown)"
-            if r.committed:
-                return f"request {request_id!r} was already committed"
-            if self._clock() > r.deadline:
-                r.error = "lease expired before the KV arrived"
-                return r.error
-            if not 0 <= layer_start < layer_end <= self.num_layers:
-                r.error = f"layer range [{layer_start}, {layer_end}) outside [0, {self.num_layers})"
-                return r.error
-            if not block_ids or not set(block_ids) <= r.allowed:
-                r.error = f"block ids {list(block_ids)[:8]} are not all reserved for {request_id!r}"
-                return r.error
+            error = self._check(request_id, block_ids, layer_start, layer_end)
+            if error:
+                return error
             fn()
+            r = self._table[request_id]
             r.written.update((layer, b) for layer in range(layer_start, layer_end) for b in block_ids)
             return ""
+
+    def begin(self, request_id: str, block_ids: Sequence[int], layer_start: int, layer_end: int) -> str:
+        """Pin the reservation for a transfer into these blocks that starts now; "" or why not.
+
+        Every successful ``begin`` must be followed by exactly one ``end`` for the same blocks."""
+        with self._lock:
+            error = self._check(request_id, block_ids, layer_start, layer_end)
+            if not error:
+                self._inflight[request_id] = self._inflight.get(request_id, 0) + 1
+            return error
+
+    def end(
+        self, request_id: str, block_ids: Sequence[int], layer_start: int, layer_end: int, error: str = ""
+    ) -> None:
+        """The pinned transfer is over: landed (``error`` empty) or failed / cancelled."""
+        with self._settled:
+            left = self._inflight.get(request_id, 0) - 1
+            if left > 0:
+                self._inflight[request_id] = left
+            else:
+                self._inflight.pop(request_id, None)
+            r = self._table.get(request_id)
+            if r is not None and not r.committed:
+                if error:
+                    r.error = r.error or error
+                else:
+                    r.written.update((layer, b) for layer in range(layer_start, layer_end) for b in block_ids)
+            self._settled.notify_all()
 
     def fail(self, request_id: str, error: str) -> None:
         with self._lock:
@@ -127,6 +182,8 @@ class ReservationTable:
                 return r.error
             if self._clock() > r.deadline:
                 return "lease expired before the KV arrived"
+            if self._inflight.get(request_id):
+                return f"request {request_id!r} committed while part of its KV was still in flight"
             missing = self.num_layers * len(r.block_ids) - len(r.written)
             if missing:
                 return f"{missing} of {self.num_layers * len(r.block_ids)} layer-blocks never arrived"
@@ -194,3 +251,100 @@ class KVSender(ABC):
 
     @abstractmethod
     def close(self) -> None: ...
+
+
+class ReceiverPlane(ABC):
+    """A receiver's data plane beside plain zmq frames (nixl, nccl): one per receiver, shared by
+    every sender that agreed on it. The receiver's control thread calls ``setup`` and ``handle``;
+    the plane answers asynchronously through ``outbox`` and writes only as the table allows."""
+
+    name: str
+    handles_commit = False
+    """True when commits must queue behind the plane's data (``handle`` then gets the KVCommit
+    and acks it through the outbox); otherwise the control thread commits directly."""
+
+    def __init__(self) -> None:
+        self.bytes_received = 0
+
+    @abstractmethod
+    def start(self, kv: torch.Tensor, table: ReservationTable, outbox, on_commit, host: str) -> None:
+        """``outbox.put(peer, msg)`` sends a reply on the control connection of ``peer``."""
+
+    @abstractmethod
+    def setup(self, peer: bytes, msg) -> object:
+        """A sender chose this plane (``msg``: KVSetup); returns the KVSetupReply."""
+
+    @abstractmethod
+    def handle(self, peer: bytes, msg) -> None:
+        """A data message of this plane (or a KVCommit when ``handles_commit``) from ``peer``."""
+
+    @abstractmethod
+    def drop(self, peer: bytes) -> None:
+        """Forget ``peer``'s session (it set up again, or went away)."""
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+class SenderPlane(ABC):
+    """A sender's data plane beside plain zmq frames: one per sender, one session per peer."""
+
+    name: str
+
+    @abstractmethod
+    def register(self, kv: torch.Tensor) -> None: ...
+
+    @abstractmethod
+    def setup_fields(self) -> dict:
+        """This plane's fields of the KVSetup the sender offers."""
+
+    @abstractmethod
+    def stage(self, kv: torch.Tensor, block_ids: Sequence[int]) -> Staged:
+        """Copy blocks out of the cache now, on the caller's thread, in the form ``deliver`` wants."""
+
+    @abstractmethod
+    def connect(self, peer, setup, reply, deadline: float) -> SenderSession:
+        """The receiver chose this plane: connect to it (``peer`` sends control frames)."""
+
+
+class SenderSession(ABC):
+    """One sender's data connection to one receiver."""
+
+    @abstractmethod
+    def deliver(self, request_id: str, staged: Staged, dst_block_ids: list[int], deadline: float) -> None:
+        """Move staged blocks into the peer's reserved ``dst_block_ids``; raises KVTransferError.
+        Returns once the peer has them, or, where the commit queues behind the data, once sent."""
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+@dataclass
+class Staged:
+    """Blocks copied out of a sender's cache: ``tensor`` is [L, n, 2, BS, Hkv, D]."""
+
+    tensor: torch.Tensor
+    ready: object = None  # a torch.cuda.Event recorded after the copy (None on the CPU)
+    slot_start: int = -1  # where ``tensor`` sits in a registered staging arena (-1: not in one)
+    release: Callable[[], None] | None = None  # gives the arena slots back; the sender calls it once
+
+    def wait(self) -> None:
+        """Block until the copy is done (the copy ran on the staging thread's stream)."""
+        if self.ready is not None:
+            self.ready.synchronize()
+
+
+def stage_blocks(kv: torch.Tensor, block_ids: Sequence[int], out: torch.Tensor | None = None) -> Staged:
+    """Gather ``block_ids`` of every layer into ``out`` (or a new tensor) on the cache's device."""
+    idx = torch.tensor(list(block_ids), dtype=torch.long, device=kv.device)
+    if kv.is_cuda:
+        from kernels.block_copy import gather_blocks
+
+        out = gather_blocks(kv, idx, out=out)
+        event = torch.cuda.Event()
+        event.record()
+        return Staged(out, event)
+    if out is None:
+        return Staged(kv.index_select(1, idx))
+    torch.index_select(kv, 1, idx, out=out)
+    return Staged(out)

@@ -1,27 +1,38 @@
-"""The ZeroMQ KV transport: CPU-staged blocks over TCP, received in place.
+"""The control channel every KV transport speaks, over ZeroMQ, and the zmq data plane.
 
 Wire protocol (DEALER on the prefill node -> ROUTER on the decode node, one DEALER per
 peer, multipart messages whose first frame is a msgpack ``Message``):
 
-* ``[KVHandshake]`` -> ``[KVHandshakeReply]``: once per connection, before any KV.
-* ``[KVBlocks, payload]``: layers ``[layer_start, layer_end)`` of the listed destination
-  blocks, payload = raw bytes of ``[layers, blocks, 2, BS, Hkv, D]``. No reply: frames
-  stream back to back, and an error is kept for the commit's ack.
-* ``[KVCommit]`` -> ``[KVAck]``: the ack says whether every layer of every block
-  landed inside a live reservation.
+* ``[KVHandshake]`` -> ``[KVHandshakeReply]``: first, once per connection (cluster token,
+  model, dtype, block size, layout, shapes). The receiver ignores anything else from a
+  connection that has not passed it. Resent every second until answered, so a sender may
+  start before the receiver listens.
+* ``[KVSetup]`` -> ``[KVSetupReply]``: the sender offers its transports in order of
+  preference; the receiver picks the first one it accepts too, or refuses. zmq moves the
+  blocks in frames on this connection; nixl and nccl (``nixl_backend``, ``nccl_backend``)
+  move them on their own data plane and use this connection for control only.
+* ``[KVBlocks, payload]`` (zmq plane): layers ``[layer_start, layer_end)`` of the listed
+  destination blocks, payload = raw bytes of ``[layers, blocks, 2, BS, Hkv, D]``. No reply:
+  frames stream back to back, and an error is kept for the commit's ack.
+* ``[KVRenew]``: extend leases, no reply.
+* ``[KVCommit]`` -> ``[KVAck]``: the ack says whether every layer of every block landed
+  inside a live reservation.
 
-The sender copies the request's blocks out of its cache into one staging tensor
-(the only copy on that side), so the caller may free them at once; frames point into
-that tensor (``copy=False``). The receiver reads each frame without copying it and
-copies it straight into the reserved blocks: one copy per side.
+On the zmq plane the sender copies the request's blocks out of its cache into one CPU
+staging tensor (the only copy on that side), so the caller may free them at once; frames
+point into that tensor (``copy=False``). The receiver reads each frame without copying it
+and copies it straight into the reserved blocks: one copy per side.
 """
 
 from __future__ import annotations
 
+import collections
+import itertools
 import logging
 import queue
 import threading
 import time
+import uuid
 import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -30,7 +41,18 @@ from dataclasses import dataclass
 import torch
 import zmq
 
-from kv_transfer.base import KVReceiver, KVSender, KVTransferError, ReservationTable, check_compatible
+from kv_transfer.base import (
+    KVReceiver,
+    KVSender,
+    KVTransferError,
+    ReceiverPlane,
+    ReservationTable,
+    SenderPlane,
+    SenderSession,
+    Staged,
+    check_compatible,
+)
+from kv_transfer.wire import KVReady, KVSend, KVSetup, KVSetupReply
 from pdserve.messages import (
     KVAck,
     KVBlocks,
@@ -47,6 +69,11 @@ logger = logging.getLogger(__name__)
 
 MAX_FRAME_BYTES = 16 << 20
 """Payload frames are cut at layer boundaries to stay under this size (memory per frame)."""
+HANDSHAKE_RESEND_S = 1.0
+
+_REQUESTS = KVHandshake | KVSetup | KVBlocks | KVReady | KVSend | KVCommit | KVRenew
+_REPLIES = KVHandshakeReply | KVSetupReply | KVAck
+_instances = itertools.count()
 
 
 def _frame_layers(num_layers: int, bytes_per_layer: int) -> list[tuple[int, int]]:
@@ -54,18 +81,59 @@ def _frame_layers(num_layers: int, bytes_per_layer: int) -> list[tuple[int, int]
     return [(i, min(i + step, num_layers)) for i in range(0, num_layers, step)]
 
 
+class Outbox:
+    """Lets data-plane threads reply on the control connection: the receiver's control thread
+    alone owns the ROUTER socket and forwards what arrives here."""
+
+    def __init__(self, ctx: zmq.Context, address: str) -> None:
+        self._sock = ctx.socket(zmq.PUSH)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(address)
+        self._lock = threading.Lock()
+
+    def put(self, peer: bytes, msg) -> None:
+        with self._lock:
+            self._sock.send_multipart([peer, encode(msg)])
+
+    def close(self) -> None:
+        with self._lock:
+            self._sock.close(linger=0)
+
+
 class ZmqReceiver(KVReceiver):
+    """Decode side: serves the control protocol; moves data in zmq frames or on ``planes``.
+
+    ``transports`` lists what this node accepts (``zmq`` and the names of ``planes``).
+    """
+
     name = "zmq"
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, cluster_token: str = "") -> None:
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        cluster_token: str = "",
+        planes: Sequence[ReceiverPlane] = (),
+        transports: Sequence[str] = ("zmq",),
+    ) -> None:
         self.host = host
         self.port = port
         self.cluster_token = cluster_token
+        self.planes = {p.name: p for p in planes}
+        self.transports = tuple(transports)
+        assert set(self.transports) == set(self.planes) | ({"zmq"} & set(self.transports)), self.transports
+        self.name = self.transports[0]
         self.kv: torch.Tensor | None = None
         self._ctx = zmq.Context.instance()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.bytes_received = 0
+        self._authed: set[bytes] = set()  # connections that passed the handshake
+        self._sessions: dict[bytes, str] = {}  # connection -> transport it set up
+        self._zmq_bytes = 0
+
+    @property
+    def bytes_received(self) -> int:
+        return self._zmq_bytes + sum(p.bytes_received for p in self.planes.values())
 
     def register_kv_cache(self, kv_cache: torch.Tensor) -> None:
         assert kv_cache.dim() == 6 and kv_cache.is_contiguous(), "kv_cache must be [L, NB, 2, BS, Hkv, D]"
@@ -82,8 +150,15 @@ class ZmqReceiver(KVReceiver):
         else:
             port = sock.bind_to_random_port(f"tcp://{self.host}")
         address = f"tcp://{self.host}:{port}"
+        pull = self._ctx.socket(zmq.PULL)
+        pull.setsockopt(zmq.LINGER, 0)
+        outbox_address = f"inproc://pdserve-kv-outbox-{next(_instances)}"
+        pull.bind(outbox_address)
+        self._outbox = Outbox(self._ctx, outbox_address)
+        for plane in self.planes.values():
+            plane.start(self.kv, table, self._outbox, on_commit, self.host)
         self._thread = threading.Thread(
-            target=self._serve, args=(sock, info, table, on_commit), name="kv-receiver", daemon=True
+            target=self._serve, args=(sock, pull, info, table, on_commit), name="kv-receiver", daemon=True
         )
         self._thread.start()
         return address
@@ -92,29 +167,42 @@ class ZmqReceiver(KVReceiver):
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+        for plane in self.planes.values():
+            plane.close()
 
     # -- receiver thread -----------------------------------------------------------------------
 
-    def _serve(self, sock, info: NodeInfo, table: ReservationTable, on_commit) -> None:
+    def _serve(self, sock, pull, info: NodeInfo, table: ReservationTable, on_commit) -> None:
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
+        poller.register(pull, zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                if not poller.poll(100):
+                events = dict(poller.poll(100))
+                if pull in events:
+                    while True:
+                        try:
+                            sock.send_multipart(pull.recv_multipart(zmq.NOBLOCK))
+                        except zmq.Again:
+                            break
+                if sock not in events:
                     continue
                 frames = sock.recv_multipart(copy=False)
+                peer = frames[0].bytes
                 try:
-                    reply = self._handle(frames[1:], info, table, on_commit)
+                    reply = self._handle(peer, frames[1:], info, table, on_commit)
                 except Exception as e:  # a bad frame must never take the node down
                     logger.warning("dropping malformed KV message: %s", e)
                     reply = None
                 if reply is not None:
                     sock.send_multipart([frames[0], encode(reply)])
         finally:
+            self._outbox.close()
+            pull.close(linger=0)
             sock.close(linger=0)
 
-    def _handle(self, frames, info: NodeInfo, table: ReservationTable, on_commit):
-        msg = decode(frames[0].buffer, KVHandshake | KVBlocks | KVCommit | KVRenew)
+    def _handle(self, peer: bytes, frames, info: NodeInfo, table: ReservationTable, on_commit):
+        msg = decode(frames[0].buffer, _REQUESTS)
         if isinstance(msg, KVHandshake):
             if self.cluster_token and msg.cluster_token != self.cluster_token:
                 return KVHandshakeReply(ok=False, error="wrong cluster token")
@@ -123,17 +211,64 @@ class ZmqReceiver(KVReceiver):
                 error = "incompatible peers: " + "; ".join(mismatches)
                 logger.error("refusing KV peer %s: %s", msg.info.node_id, error)
                 return KVHandshakeReply(ok=False, error=error, info=info)
+            self._authed.add(peer)
             return KVHandshakeReply(ok=True, info=info)
+        if peer not in self._authed:
+            logger.warning("ignoring %s from a KV peer that did not pass the handshake", type(msg).__name__)
+            if isinstance(msg, KVCommit):
+                return KVAck(request_id=msg.request_id, ok=False, error="handshake first")
+            return KVSetupReply(ok=False, error="handshake first") if isinstance(msg, KVSetup) else None
+        if isinstance(msg, KVSetup):
+            return self._setup(peer, msg)
         if isinstance(msg, KVRenew):
             table.renew(msg.request_ids)
             return None
+        transport = self._sessions.get(peer, "")
         if isinstance(msg, KVBlocks):
+            if transport != "zmq":
+                table.fail(
+                    msg.request_id, f"zmq KV frames on a connection set up for {transport or 'nothing'}"
+                )
+                return None
             self._write(msg, frames[1] if len(frames) > 1 else None, table)
+            return None
+        plane = self.planes.get(transport)
+        if isinstance(msg, KVReady | KVSend):
+            if plane is None or type(msg) is not _DATA_MESSAGE.get(transport):
+                table.fail(msg.request_id, f"{type(msg).__name__} on a connection set up for {transport!r}")
+                return None
+            plane.handle(peer, msg)
+            return None
+        if plane is not None and plane.handles_commit:
+            plane.handle(peer, msg)  # queued behind the data it must follow; acked by the plane
             return None
         error = table.commit(msg.request_id)
         if not error:
             on_commit(msg)
         return KVAck(request_id=msg.request_id, ok=not error, error=error)
+
+    def _setup(self, peer: bytes, msg: KVSetup) -> KVSetupReply:
+        chosen = next((t for t in msg.transports if t in self.transports), None)
+        if chosen is None:
+            return KVSetupReply(
+                ok=False,
+                error=f"no common KV transport: the sender offers {', '.join(msg.transports)}; "
+                f"this node accepts {', '.join(self.transports)}",
+            )
+        previous = self.planes.get(self._sessions.pop(peer, ""))
+        if previous is not None:
+            previous.drop(peer)
+        if chosen == "zmq":
+            reply = KVSetupReply(ok=True, transport="zmq")
+        else:
+            try:
+                reply = self.planes[chosen].setup(peer, msg)
+            except Exception as e:
+                logger.exception("setting up %s for a KV peer failed", chosen)
+                reply = KVSetupReply(ok=False, error=f"{chosen} set-up failed on the decode node: {e}")
+        if reply.ok:
+            self._sessions[peer] = chosen
+        return reply
 
     def _write(self, msg: KVBlocks, payload, table: ReservationTable) -> None:
         kv = self.kv
@@ -144,11 +279,7 @@ class ZmqReceiver(KVReceiver):
             got = len(payload.buffer) if payload is not None else 0
             table.fail(msg.request_id, f"KV frame of {got} bytes, expected {expected}")
             return
-        if (
-            len(set(msg.block_ids)) != len(msg.block_ids)
-            or min(msg.block_ids) < 0
-            or max(msg.block_ids) >= kv.shape[1]
-        ):
+        if not valid_block_ids(msg.block_ids, kv.shape[1]):
             table.fail(msg.request_id, "KV frame names invalid or repeated block ids")
             return
 
@@ -156,21 +287,32 @@ class ZmqReceiver(KVReceiver):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # the frame is read-only; we only read it
                 src = torch.frombuffer(payload.buffer, dtype=kv.dtype).view(shape)
-            ids = torch.tensor(msg.block_ids, dtype=torch.long)
-            kv[msg.layer_start : msg.layer_end].index_copy_(1, ids, src)
+            ids = torch.tensor(msg.block_ids, dtype=torch.long, device=kv.device)
+            kv[msg.layer_start : msg.layer_end].index_copy_(1, ids, src.to(kv.device))
 
         error = table.write(msg.request_id, msg.block_ids, msg.layer_start, msg.layer_end, copy)
         if error:
             logger.warning("KV frame for %s refused: %s", msg.request_id, error)
         else:
-            self.bytes_received += expected
+            self._zmq_bytes += expected
+
+
+_DATA_MESSAGE = {"nixl": KVReady, "nccl": KVSend}
+
+
+def valid_block_ids(block_ids: Sequence[int], num_blocks: int) -> bool:
+    return (
+        bool(block_ids)
+        and len(set(block_ids)) == len(block_ids)
+        and 0 <= min(block_ids) <= max(block_ids) < num_blocks
+    )
 
 
 @dataclass
 class _Job:
     info: NodeInfo
     request_id: str  # or, for a lease renewal, "" with ``renew`` set
-    staged: torch.Tensor | None  # [L, n, 2, BS, Hkv, D] on the CPU, or None for a bare handshake
+    staged: Staged | None  # None for a bare handshake or a renewal
     dst_block_ids: list[int]
     commit: KVCommit | None  # None: more blocks follow later
     timeout: float
@@ -181,27 +323,41 @@ class _Job:
 class _Peer:
     """One decode node: a DEALER socket owned by one thread that runs jobs in order."""
 
-    def __init__(self, ctx: zmq.Context, address: str, cluster_token: str) -> None:
-        self.ctx = ctx
+    FAILED_MEMORY = 4096
+    """Request ids whose KV failed part-way, remembered so that their commit is refused here."""
+
+    def __init__(self, sender: ZmqSender, address: str) -> None:
+        self.sender = sender
         self.address = address
-        self.cluster_token = cluster_token
         self.jobs: queue.Queue[_Job | None] = queue.Queue()
         self.sock = None
         self.peer_info: NodeInfo | None = None
+        self.transport = ""  # agreed at set-up; "" before
+        self.session: SenderSession | None = None  # the data plane's connection (None for zmq)
         self.refused = ""  # permanent handshake refusal
+        self.failed: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._waiting_for = ""
         self.thread = threading.Thread(target=self._run, name=f"kv-sender {address}", daemon=True)
         self.thread.start()
 
     def _connect(self) -> None:
         self._close_socket()
-        sock = self.ctx.socket(zmq.DEALER)
+        sock = self.sender._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 64)
         sock.connect(self.address)
         self.sock = sock
-        self.peer_info = None
 
     def _close_socket(self) -> None:
+        """Forget the connection and its data-plane session: the next job starts afresh."""
+        if self.session is not None:
+            try:
+                self.session.close()
+            except Exception:
+                logger.exception("closing the %s session to %s failed", self.transport, self.address)
+            self.session = None
+        self.peer_info = None
+        self.transport = ""
         if self.sock is not None:
             self.sock.close(linger=0)
             self.sock = None
@@ -215,20 +371,33 @@ class _Peer:
             try:
                 job.future.set_result(self._do(job))
             except Exception as e:
-                # A timeout or broken peer leaves the socket with unknown state: start afresh.
+                # A timeout or broken peer leaves the connection in an unknown state: start afresh.
+                if job.request_id:
+                    self.failed[job.request_id] = None
+                    while len(self.failed) > self.FAILED_MEMORY:
+                        self.failed.popitem(last=False)
                 self._close_socket()
                 job.future.set_exception(e if isinstance(e, KVTransferError) else KVTransferError(str(e)))
+            finally:
+                if job.staged is not None and job.staged.release is not None:
+                    job.staged.release()
 
-    def _recv(self, deadline: float, kind):
+    def recv(self, deadline: float, kind, resend: list | None = None):
+        """The next reply of type ``kind`` (for KVAck: of the request awaited); stale replies are skipped."""
         while True:
             left = deadline - time.monotonic()
-            if left <= 0 or not self.sock.poll(int(left * 1000)):
+            if left <= 0:
                 raise KVTransferError(f"no reply from KV peer {self.address} in time")
-            msg = decode(self.sock.recv(), kind)
-            if not isinstance(msg, KVAck) or msg.request_id == self._waiting_for:
+            wait = min(left, HANDSHAKE_RESEND_S) if resend else left
+            if not self.sock.poll(int(wait * 1000) + 1):
+                if resend and time.monotonic() < deadline:
+                    self.send(resend, deadline)
+                continue
+            msg = decode(self.sock.recv(), _REPLIES)
+            if isinstance(msg, kind) and (not isinstance(msg, KVAck) or msg.request_id == self._waiting_for):
                 return msg
 
-    def _send(self, frames: list, deadline: float) -> None:
+    def send(self, frames: list, deadline: float) -> None:
         while True:
             try:
                 self.sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
@@ -238,6 +407,28 @@ class _Peer:
                     raise KVTransferError(f"KV peer {self.address} is not accepting data") from None
                 time.sleep(0.001)
 
+    def _open(self, info: NodeInfo, deadline: float) -> None:
+        """Handshake, then agree on a transport and connect its data plane."""
+        hello = [encode(KVHandshake(info=info, cluster_token=self.sender.cluster_token))]
+        self.send(hello, deadline)
+        reply = self.recv(deadline, KVHandshakeReply, resend=hello)
+        if not reply.ok:
+            self.refused = f"KV peer {self.address} refused the handshake: {reply.error}"
+            raise KVTransferError(self.refused)
+        fields: dict = {}
+        for plane in self.sender.planes.values():
+            fields.update(plane.setup_fields())
+        setup = KVSetup(session=uuid.uuid4().hex, transports=list(self.sender.transports), **fields)
+        self.send([encode(setup)], deadline)
+        chosen = self.recv(deadline, KVSetupReply)
+        if not chosen.ok:
+            self.refused = f"KV peer {self.address} refused the transport set-up: {chosen.error}"
+            raise KVTransferError(self.refused)
+        if chosen.transport != "zmq":
+            self.session = self.sender.planes[chosen.transport].connect(self, setup, chosen, deadline)
+        self.transport = chosen.transport
+        self.peer_info = reply.info
+
     def _do(self, job: _Job):
         if self.refused:
             raise KVTransferError(self.refused)
@@ -246,40 +437,59 @@ class _Peer:
         if self.sock is None:
             self._connect()
         if self.peer_info is None:
-            self._send([encode(KVHandshake(info=job.info, cluster_token=self.cluster_token))], deadline)
-            reply = self._recv(deadline, KVHandshakeReply)
-            if not reply.ok:
-                self.refused = f"KV peer {self.address} refused the handshake: {reply.error}"
-                raise KVTransferError(self.refused)
-            self.peer_info = reply.info
+            self._open(job.info, deadline)
         if job.renew is not None:
-            self._send([encode(job.renew)], deadline)
+            self.send([encode(job.renew)], deadline)
             return None
         staged = job.staged
         if staged is None:
             return self.peer_info
         rid = job.request_id
-        if staged.shape[1]:
-            bytes_per_layer = staged[0].numel() * staged.element_size()
-            for start, end in _frame_layers(staged.shape[0], bytes_per_layer):
-                part = staged[start:end]
-                header = KVBlocks(rid, job.dst_block_ids, start, end, part.numel() * part.element_size())
-                self._send([encode(header), memoryview(part.view(torch.uint8).numpy())], deadline)
+        if rid in self.failed:
+            raise KVTransferError(f"an earlier part of request {rid}'s KV failed; it cannot be committed")
+        if staged.tensor.shape[1]:
+            if self.session is not None:
+                self.session.deliver(rid, staged, job.dst_block_ids, deadline)
+            else:
+                self._send_frames(rid, staged, job.dst_block_ids, deadline)
         if job.commit is None:
             return None
         self._waiting_for = rid
-        self._send([encode(job.commit)], deadline)
-        ack = self._recv(deadline, KVAck)
+        self.send([encode(job.commit)], deadline)
+        ack = self.recv(deadline, KVAck)
         if not ack.ok:
             raise KVTransferError(f"KV peer {self.address} refused request {rid}: {ack.error}")
         return ack
 
+    def _send_frames(self, rid: str, staged: Staged, dst_block_ids: list[int], deadline: float) -> None:
+        staged.wait()
+        tensor = staged.tensor.cpu()
+        bytes_per_layer = tensor[0].numel() * tensor.element_size()
+        for start, end in _frame_layers(tensor.shape[0], bytes_per_layer):
+            part = tensor[start:end]
+            header = KVBlocks(rid, dst_block_ids, start, end, part.numel() * part.element_size())
+            self.send([encode(header), memoryview(part.view(torch.uint8).numpy())], deadline)
+
 
 class ZmqSender(KVSender):
+    """Prefill side: the control protocol to each peer; data in zmq frames or on ``planes``.
+
+    ``transports`` is the order of preference offered at set-up (``zmq`` and plane names).
+    """
+
     name = "zmq"
 
-    def __init__(self, cluster_token: str = "") -> None:
+    def __init__(
+        self,
+        cluster_token: str = "",
+        planes: Sequence[SenderPlane] = (),
+        transports: Sequence[str] = ("zmq",),
+    ) -> None:
         self.cluster_token = cluster_token
+        self.planes = {p.name: p for p in planes}
+        self.transports = tuple(transports)
+        assert set(self.transports) == set(self.planes) | ({"zmq"} & set(self.transports)), self.transports
+        self.name = self.transports[0]
         self.kv: torch.Tensor | None = None
         self._ctx = zmq.Context.instance()
         self._peers: dict[str, _Peer] = {}
@@ -289,12 +499,14 @@ class ZmqSender(KVSender):
     def register_kv_cache(self, kv_cache: torch.Tensor) -> None:
         assert kv_cache.dim() == 6 and kv_cache.is_contiguous(), "kv_cache must be [L, NB, 2, BS, Hkv, D]"
         self.kv = kv_cache
+        for plane in self.planes.values():
+            plane.register(kv_cache)
 
     def _peer(self, address: str) -> _Peer:
         with self._lock:
             peer = self._peers.get(address)
             if peer is None:
-                peer = self._peers[address] = _Peer(self._ctx, address, self.cluster_token)
+                peer = self._peers[address] = _Peer(self, address)
             return peer
 
     def renew(self, address: str, info: NodeInfo, request_ids: Sequence[str]) -> None:
@@ -319,13 +531,16 @@ class ZmqSender(KVSender):
         assert self.kv is not None, "register_kv_cache first"
         if len(src_block_ids) != len(dst_block_ids):
             raise KVTransferError(f"{len(src_block_ids)} source blocks for {len(dst_block_ids)} destinations")
-        idx = torch.tensor(list(src_block_ids), dtype=torch.long, device=self.kv.device)
-        staged = self.kv.index_select(1, idx).cpu()  # [L, n, 2, BS, Hkv, D]: the only copy
-        self.bytes_sent += staged.numel() * staged.element_size()
+        peer = self._peer(address)
+        plane = self.planes.get(peer.transport)  # read once: the peer thread may change it
+        if plane is not None:
+            staged = plane.stage(self.kv, src_block_ids)
+        else:  # zmq, or not agreed yet: [L, n, 2, BS, Hkv, D] on the CPU, the only copy
+            idx = torch.tensor(list(src_block_ids), dtype=torch.long, device=self.kv.device)
+            staged = Staged(self.kv.index_select(1, idx).cpu())
+        self.bytes_sent += staged.tensor.numel() * staged.tensor.element_size()
         fut: Future = Future()
-        self._peer(address).jobs.put(
-            _Job(info, request_id, staged, list(dst_block_ids), commit, timeout, fut)
-        )
+        peer.jobs.put(_Job(info, request_id, staged, list(dst_block_ids), commit, timeout, fut))
         return fut
 
     def close(self) -> None:

@@ -1,0 +1,72 @@
+"""Control messages of the GPU transports, beside the zmq backend's (``pdserve.messages``).
+
+They travel on the same ZeroMQ control connection as ``KVHandshake``/``KVCommit``/``KVRenew``
+and use the same serializer; only the KV transports read them, so they live here.
+
+After ``KVHandshake`` (model, dtype, block size, layout and token checked), a sender that
+can use more than plain zmq frames sends ``KVSetup`` with every transport it offers, in its
+order of preference, and what each needs to connect; the receiver answers ``KVSetupReply``
+naming the first one it accepts too, or refuses (then no KV moves between the two).
+"""
+
+from __future__ import annotations
+
+from pdserve.messages import Message
+
+
+class KVSetup(Message):
+    """Sender -> receiver, once per connection: the transports offered and their parameters."""
+
+    session: str  # unique per connection attempt; names the NCCL rendezvous and the NIXL agent state
+    transports: list[str]  # preference order, e.g. ["nixl", "nccl", "zmq"]
+    nixl_agent: str = ""  # the sender's NIXL agent name
+    nixl_metadata: bytes = b""  # its agent metadata (``get_agent_metadata``)
+    nixl_arena: tuple[int, int, int, int] = (0, 0, 0, 0)  # staging arena: address, slot bytes, slots, device
+    nixl_mem: str = ""  # DRAM | VRAM
+    nccl_device: str = ""  # cpu (gloo) | cuda (nccl): both ends must hold the KV on the same kind
+
+
+class KVSetupReply(Message):
+    ok: bool
+    transport: str = ""
+    error: str = ""
+    nixl_agent: str = ""
+    nixl_metadata: bytes = b""
+    nccl_store: str = ""  # host:port of the receiver's TCPStore for the pair's rendezvous
+
+
+class KVReady(Message):
+    """NIXL: layers [layer_start, layer_end) of ``block_ids`` are staged in the sender's arena.
+
+    Slot ``slot_start + (layer - layer_start) * len(block_ids) + i`` holds (layer, block_ids[i]).
+    The receiver READs them into its reserved blocks and answers with a ``KVReadDone``
+    notification through NIXL, carrying ``xfer_id``; until then the slots stay untouched.
+    """
+
+    request_id: str
+    xfer_id: int
+    block_ids: list[int]
+    layer_start: int
+    layer_end: int
+    slot_start: int
+    timeout_s: float  # the READ is abandoned (and the request failed) after this long
+
+
+class KVReadDone(Message):
+    """NIXL notification receiver -> sender: the READ of ``xfer_id`` finished (or failed: ``error``)."""
+
+    request_id: str
+    xfer_id: int
+    error: str = ""
+
+
+class KVSend(Message):
+    """NCCL: one ``send`` of ``nbytes`` follows on the pair's communicator (tag ``seq``): layers
+    [layer_start, layer_end) of ``block_ids`` as a contiguous [layers, blocks, 2, BS, Hkv, D] tensor."""
+
+    request_id: str
+    seq: int
+    block_ids: list[int]
+    layer_start: int
+    layer_end: int
+    nbytes: int

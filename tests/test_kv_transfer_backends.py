@@ -1,0 +1,425 @@
+"""Every KV backend (zmq, nixl over DRAM, nccl over gloo) through the same tests: delivery,
+handshake refusals, lease and reservation rules, transport agreement, and the abort paths
+(lease expiry mid-transfer, a peer killed, a peer that stops answering) across processes."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import socket
+import threading
+import time
+
+import msgspec
+import pytest
+import torch
+
+import kv_transfer
+from kv_transfer import KVTransferError, ReservationTable
+from pdserve.messages import KVCommit, NodeInfo
+
+L, NB, BS, H, D = 3, 16, 4, 2, 8
+BACKENDS = [
+    "zmq",
+    pytest.param(
+        "nixl",
+        marks=pytest.mark.skipif(
+            "nixl" not in kv_transfer.available_transports(), reason="nixl not installed"
+        ),
+    ),
+    "nccl",
+]
+
+
+def info(node_id: str, **kw) -> NodeInfo:
+    base = NodeInfo(node_id, "decode", "m", "float32", BS, L, H, D, "LNB2SHD", "zmq", "", 64, 100)
+    return msgspec.structs.replace(base, **kw)
+
+
+def make_sender(name: str, src: torch.Tensor, **kw):
+    sender = kv_transfer.create_sender(name, **kw)
+    sender.register_kv_cache(src)
+    return sender
+
+
+class Receiver:
+    """A receiver with its own cache and lease table, as a decode node holds them."""
+
+    def __init__(self, name: str, cluster_token: str = "", clock=time.time) -> None:
+        self.dst = torch.zeros(L, NB, 2, BS, H, D)
+        self.table = ReservationTable(L, clock=clock)
+        self.commits: list[KVCommit] = []
+        self.receiver = kv_transfer.create_receiver(name, cluster_token=cluster_token)
+        self.receiver.register_kv_cache(self.dst)
+        self.address = self.receiver.start(info("decode-0"), self.table, self.commits.append)
+
+    def close(self) -> None:
+        self.receiver.close()
+
+
+@pytest.fixture(params=BACKENDS)
+def pair(request):
+    src = torch.randn(L, NB, 2, BS, H, D)
+    receiver = Receiver(request.param)
+    sender = make_sender(request.param, src)
+    yield src, receiver, sender
+    sender.close()
+    receiver.close()
+
+
+def _send(sender, address, rid, src_ids, dst_ids, first_token=1, commit=True, timeout=5.0):
+    c = KVCommit(rid, first_token=first_token) if commit else None
+    return sender.send(address, info("prefill-0"), rid, src_ids, dst_ids, c, timeout)
+
+
+def test_blocks_land_in_reserved_slots(pair):
+    src, r, sender = pair
+    r.table.add("r1", [7, 2, 9], time.time() + 10)
+    ack = _send(sender, r.address, "r1", [0, 5, 11], [7, 2, 9], first_token=42).result()
+    assert ack.ok and [c.first_token for c in r.commits] == [42]
+    for s, d in zip([0, 5, 11], [7, 2, 9]):
+        assert torch.equal(r.dst[:, d], src[:, s])
+    untouched = [b for b in range(NB) if b not in (7, 2, 9)]
+    assert r.dst[:, untouched].abs().sum() == 0
+    assert sender.bytes_sent == r.receiver.bytes_received == 3 * L * r.dst[0, 0].numel() * 4
+
+
+def test_chunked_sends_then_commit(pair):
+    src, r, sender = pair
+    r.table.add("r5", [3, 4, 6, 8, 10], time.time() + 10)
+    assert _send(sender, r.address, "r5", [1, 2], [3, 4], commit=False).result() is None
+    assert _send(sender, r.address, "r5", [7], [6], commit=False).result() is None
+    assert _send(sender, r.address, "r5", [9, 12], [8, 10], first_token=3).result().ok
+    for s, d in zip([1, 2, 7, 9, 12], [3, 4, 6, 8, 10]):
+        assert torch.equal(r.dst[:, d], src[:, s])
+
+
+@pytest.mark.parametrize(
+    "field, value, match",
+    [("block_size", 16, r"block_size: 4 .* vs 16"), ("model_id", "other", r"model_id: 'm' .* vs 'other'")],
+)
+def test_handshake_refuses_mismatch_by_name(pair, field, value, match):
+    _, r, sender = pair
+    with pytest.raises(KVTransferError, match="refused the handshake: incompatible peers: " + match):
+        sender.handshake(r.address, info("prefill-0", **{field: value}), 5)
+    # The refusal is remembered: no KV ever moves to that peer.
+    r.table.add("r", [1], time.time() + 10)
+    with pytest.raises(KVTransferError, match="refused"):
+        _send(sender, r.address, "r", [0], [1]).result()
+    assert r.dst.abs().sum() == 0 and r.commits == []
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_handshake_refuses_wrong_cluster_token(name):
+    r = Receiver(name, cluster_token="secret")
+    sender = make_sender(name, torch.randn(L, NB, 2, BS, H, D), cluster_token="guess")
+    try:
+        with pytest.raises(KVTransferError, match="wrong cluster token"):
+            sender.handshake(r.address, info("prefill-0"), 5)
+    finally:
+        sender.close()
+        r.close()
+
+
+def test_unreserved_blocks_and_expired_leases_are_refused(pair):
+    _, r, sender = pair
+    r.table.add("r2", [1], time.time() + 10)
+    with pytest.raises(KVTransferError, match="not all reserved"):
+        _send(sender, r.address, "r2", [0, 1], [1, 3]).result()  # block 3 not reserved
+    r.table.add("r3", [4], time.time() - 1)  # lease already over
+    with pytest.raises(KVTransferError, match="lease expired"):
+        _send(sender, r.address, "r3", [0], [4]).result()
+    assert r.dst.abs().sum() == 0 and r.commits == []
+    assert r.table.expired() == ["r3"]
+
+
+def test_released_reservation_takes_no_writes(pair):
+    _, r, sender = pair
+    r.table.add("r4", [5], time.time() + 10)
+    r.table.release("r4")
+    with pytest.raises(KVTransferError, match="no reservation"):
+        _send(sender, r.address, "r4", [0], [5]).result()
+    assert r.dst.abs().sum() == 0 and r.commits == []
+
+
+def test_commit_with_missing_blocks_is_refused(pair):
+    _, r, sender = pair
+    r.table.add("r6", [3, 4], time.time() + 10)
+    with pytest.raises(KVTransferError, match="never arrived"):
+        _send(sender, r.address, "r6", [1], [3]).result()
+    assert r.commits == []
+
+
+def test_lease_expiry_mid_transfer_is_never_committed(pair):
+    src, r, sender = pair
+    r.table.add("r7", [2, 3, 4], time.time() + 0.5)
+    assert _send(sender, r.address, "r7", [0], [2], commit=False).result() is None
+    time.sleep(0.7)  # the lease runs out between two chunks of the prompt
+    assert r.table.expired() == ["r7"]
+    with pytest.raises(KVTransferError, match="lease expired"):
+        _send(sender, r.address, "r7", [1, 5], [3, 4]).result()
+    assert r.commits == [] and r.dst[:, [3, 4]].abs().sum() == 0
+    r.table.release("r7")  # what the engine thread does next; then the peer still serves
+    r.table.add("r8", [3], time.time() + 10)
+    assert _send(sender, r.address, "r8", [6], [3]).result().ok
+    assert torch.equal(r.dst[:, 3], src[:, 6])
+
+
+def test_renewed_lease_outlives_its_first_deadline(pair):
+    _, r, sender = pair
+    p = info("prefill-0")
+    sender.handshake(r.address, p, 5)
+    r.table.add("r9", [5], time.time() + 0.6)
+    r.table.add("r10", [6], time.time() + 0.6)
+    for _ in range(6):  # 1.2 s of renewals for r9 only
+        sender.renew(r.address, p, ["r9"])
+        time.sleep(0.2)
+    assert r.table.expired() == ["r10"]
+    assert _send(sender, r.address, "r9", [0], [5]).result().ok
+    with pytest.raises(KVTransferError, match="lease expired"):
+        _send(sender, r.address, "r10", [0], [6]).result()
+
+
+def test_dead_address_times_out():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for name in kv_transfer.available_transports():
+        sender = make_sender(name, torch.zeros(L, NB, 2, BS, H, D))
+        start = time.monotonic()
+        with pytest.raises(KVTransferError, match="no reply"):
+            _send(sender, f"tcp://127.0.0.1:{port}", "r", [0], [0], timeout=0.5).result()
+        assert time.monotonic() - start < 3
+        sender.close()
+
+
+# -- agreement on a transport ----------------------------------------------------------------------
+
+
+def _agree(sender_names: str, receiver_names: str) -> str:
+    src = torch.randn(L, NB, 2, BS, H, D)
+    r = Receiver(receiver_names)
+    sender = make_sender(sender_names, src)
+    try:
+        sender.handshake(r.address, info("prefill-0"), 5)
+        r.table.add("a", [1, 2], time.time() + 10)
+        assert _send(sender, r.address, "a", [3, 4], [1, 2]).result().ok
+        assert torch.equal(r.dst[:, [1, 2]], src[:, [3, 4]])
+        return sender._peers[r.address].transport
+    finally:
+        sender.close()
+        r.close()
+
+
+def test_both_sides_agree_on_the_best_common_transport():
+    assert _agree("nccl,zmq", "zmq") == "zmq"
+    assert _agree("zmq", "nccl,zmq") == "zmq"
+    assert _agree("nccl,zmq", "nccl,zmq") == "nccl"
+    if "nixl" in kv_transfer.available_transports():
+        assert _agree("nixl,nccl,zmq", "nccl,zmq") == "nccl"
+        assert _agree("nixl,nccl,zmq", "nixl,nccl,zmq") == "nixl"
+
+
+def test_no_common_transport_is_refused_naming_both_lists():
+    with pytest.raises(
+        KVTransferError, match="no common KV transport: the sender offers nccl; .* accepts zmq"
+    ):
+        _agree("nccl", "zmq")
+
+
+def test_auto_and_preference_lists():
+    assert kv_transfer.resolve_transport("auto") == kv_transfer.auto_transports()[0]
+    if not torch.cuda.is_available():
+        assert kv_transfer.auto_transports() == ("zmq",)
+    assert kv_transfer.transport_preferences("nccl, zmq") == ("nccl", "zmq")
+    with pytest.raises(ValueError, match="unknown KV transport"):
+        kv_transfer.transport_preferences("carrier-pigeon")
+
+
+# -- the lease table's pins (one-sided transfers) and nixl's staging arena ----------------------------
+
+
+def test_release_waits_for_pinned_transfers():
+    table = ReservationTable(2)
+    table.add("r", [1, 2], time.time() + 10)
+    assert table.begin("r", [1, 2], 0, 2) == ""
+    released = threading.Event()
+    t = threading.Thread(target=lambda: (table.release("r"), released.set()))
+    t.start()
+    assert not released.wait(0.3), "release returned while a transfer into the blocks was in flight"
+    table.end("r", [1, 2], 0, 2)
+    assert released.wait(5)
+    t.join()
+    assert table.begin("r", [1], 0, 1).startswith("no reservation")
+
+
+def test_commit_refuses_kv_still_in_flight():
+    table = ReservationTable(1)
+    table.add("r", [1], time.time() + 10)
+    assert table.begin("r", [1], 0, 1) == ""
+    assert "still in flight" in table.commit("r")
+    table.end("r", [1], 0, 1, error="NIXL READ failed (peer gone?)")
+    assert table.commit("r") == "NIXL READ failed (peer gone?)"
+
+
+def test_slot_arena_first_fit_and_merge():
+    from kv_transfer.nixl_backend import SlotArena
+
+    arena = SlotArena(10)
+    a, b, c = arena.alloc(4), arena.alloc(3), arena.alloc(3)
+    assert (a, b, c) == (0, 4, 7) and arena.alloc(1) is None
+    arena.free(4, 3)
+    assert arena.alloc(4) is None and arena.alloc(2) == 4
+    arena.free(0, 4)
+    arena.free(7, 3)
+    arena.free(4, 2)
+    assert arena.num_free == 10 and arena.alloc(10) == 0
+    with pytest.raises(AssertionError, match="freed twice"):
+        arena.free(0, 10)
+        arena.free(2, 1)
+
+
+@pytest.mark.skipif("nixl" not in kv_transfer.available_transports(), reason="nixl not installed")
+def test_nixl_stages_through_plain_memory_when_the_arena_is_full():
+    """A request bigger than the arena goes in pieces that reuse its slots as READs finish."""
+    src = torch.randn(L, NB, 2, BS, H, D)
+    r = Receiver("nixl")
+    region = r.dst[0, 0].numel() * 4
+    sender = make_sender("nixl", src, staging_bytes=4 * region)  # 4 slots for 3 x 10 regions
+    try:
+        ids = list(range(10))
+        r.table.add("big", [15 - i for i in ids], time.time() + 10)
+        assert _send(sender, r.address, "big", ids, [15 - i for i in ids]).result().ok
+        for i in ids:
+            assert torch.equal(r.dst[:, 15 - i], src[:, i])
+        assert sender.planes["nixl"].slots.num_free == 4
+    finally:
+        sender.close()
+        r.close()
+
+
+# -- across processes: a receiver killed, a receiver that stops answering, a sender killed -----------
+
+
+def _serve(name: str, conn) -> None:
+    """A receiver in its own process, driven through ``conn``."""
+    torch.set_num_threads(1)
+    r = Receiver(name)
+    conn.send(r.address)
+    while True:
+        cmd = conn.recv()
+        if cmd is None:
+            break
+        op, rid, blocks, lease_s = cmd
+        if op == "reserve":
+            r.table.add(rid, blocks, time.time() + lease_s)
+            conn.send("ok")
+        elif op == "state":  # (committed ids, expired ids, sum of the reserved blocks)
+            conn.send(([c.request_id for c in r.commits], r.table.expired(), float(r.dst[:, blocks].sum())))
+
+
+def _send_from_child(name: str, address: str, conn) -> None:
+    """A sender in its own process: ships one chunk of a request, then waits to be killed."""
+    torch.set_num_threads(1)
+    sender = make_sender(name, torch.ones(L, NB, 2, BS, H, D))
+    _send(sender, address, "half", [0], [1], commit=False).result()
+    conn.send("sent")
+    time.sleep(60)
+
+
+class Remote:
+    def __init__(self, target, *args) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=target, args=(*args, child), daemon=True)
+        self.proc.start()
+
+    def call(self, *cmd, timeout: float = 30):
+        self.conn.send(cmd)
+        assert self.conn.poll(timeout), "the child process did not answer"
+        return self.conn.recv()
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.join(timeout=10)
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_receiver_killed_fails_the_transfer_in_time(name):
+    remote = Remote(_serve, name)
+    assert remote.conn.poll(60)
+    address = remote.conn.recv()
+    src = torch.randn(L, NB, 2, BS, H, D)
+    sender = make_sender(name, src)
+    try:
+        remote.call("reserve", "ok", [1, 2], 10)
+        assert _send(sender, address, "ok", [0, 1], [1, 2]).result().ok
+        remote.call("reserve", "lost", [3, 4], 10)
+        remote.kill()
+        start = time.monotonic()
+        with pytest.raises(KVTransferError):
+            _send(sender, address, "lost", [2, 3], [3, 4], timeout=1.0).result()
+        assert time.monotonic() - start < 5
+    finally:
+        sender.close()
+        remote.kill()
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_receiver_that_stops_answering_times_out_and_recovers(name):
+    remote = Remote(_serve, name)
+    assert remote.conn.poll(60)
+    address = remote.conn.recv()
+    src = torch.randn(L, NB, 2, BS, H, D)
+    sender = make_sender(name, src)
+    try:
+        sender.handshake(address, info("prefill-0"), 10)
+        remote.call("reserve", "stuck", [1, 2], 30)
+        os.kill(remote.proc.pid, signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(KVTransferError, match="no reply|not accepting"):
+            _send(sender, address, "stuck", [0, 1], [1, 2], timeout=1.0).result()
+        assert time.monotonic() - start < 5
+        os.kill(remote.proc.pid, signal.SIGCONT)
+        # The sender starts afresh: a later request goes through on a new connection.
+        remote.call("reserve", "after", [5, 6], 30)
+        assert _send(sender, address, "after", [3, 4], [5, 6], timeout=10).result().ok
+        committed, _, total = remote.call("state", "", [5, 6], 0)
+        assert "after" in committed and total == pytest.approx(float(src[:, [3, 4]].sum()), rel=1e-5)
+    finally:
+        sender.close()
+        if remote.proc.is_alive():
+            os.kill(remote.proc.pid, signal.SIGCONT)
+        remote.kill()
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_sender_killed_mid_prompt_leaves_an_uncommitted_lease(name):
+    now = [1000.0]
+    r = Receiver(name, clock=lambda: now[0])  # the lease runs on a clock the test moves
+    sender = None
+    try:
+        r.table.add("half", [1, 2], now[0] + 10)
+        child = Remote(_send_from_child, name, r.address)
+        assert child.conn.poll(60) and child.conn.recv() == "sent"
+        # The first chunk lands (a chunk without commit resolves once it is sent, not landed).
+        deadline = time.monotonic() + 10
+        while r.dst[:, 1].sum() != r.dst[0, 0].numel() * L and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert r.dst[:, 1].sum() == r.dst[0, 0].numel() * L
+        child.kill()
+        now[0] += 11
+        assert r.table.expired() == ["half"] and r.commits == []
+        r.table.release("half")
+        # The receiver still serves a new sender.
+        src = torch.randn(L, NB, 2, BS, H, D)
+        sender = make_sender(name, src)
+        r.table.add("next", [1, 2], now[0] + 10)
+        assert _send(sender, r.address, "next", [4, 5], [1, 2], timeout=10).result().ok
+        assert torch.equal(r.dst[:, [1, 2]], src[:, [4, 5]])
+    finally:
+        if sender is not None:
+            sender.close()
+        r.close()
