@@ -104,6 +104,7 @@ def cluster(default_model_dir, reference, tmp_path_factory):
         if launcher is not None:
             launcher.stop()
         lab.destroy()
+    assert launcher.forced == [], f"the stop script left {launcher.forced} running"
 
 
 def _complete(url: str, prompt: str) -> str:

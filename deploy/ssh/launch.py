@@ -58,9 +58,11 @@ from pathlib import Path
 
 ROLES = ("redis", "proxy", "prefill", "decode", "both")
 NODE_ROLES = ("prefill", "decode", "both")
-MARKER = "PDSERVE_DEPLOY_ID"
-"""Environment variable every started role carries (``<deploy id>/<name>``): the stop script
-only signals a pid whose environment holds it, so a stale pid file never hits another process."""
+# A pid file holds "<pid> <start time>" (field 22 of /proc/<pid>/stat, in clock ticks since
+# boot; exec keeps both). The stop script signals the pid only while that process still has that
+# start time, so a stale pid file never hits another process that reused the pid. (Not the
+# environment: redis-server rewrites that memory for its process title.)
+_STAT_START = "sed 's/.*) //' /proc/{pid}/stat | cut -d' ' -f20"
 
 _ENV_NAME = re.compile(r"^[A-Z_][A-Z0-9_]*$")
 _OPTION = re.compile(r"^[a-z_]+$")
@@ -319,13 +321,14 @@ def _pidfile(spec: RoleSpec, cfg: LaunchConfig) -> str:
 
 def start_script(spec: RoleSpec, specs: list[RoleSpec], cfg: LaunchConfig) -> str:
     """Shell script that records its pid and execs the role (so the pid is the role's)."""
-    env = [f"{MARKER}={cfg.deploy_id}/{spec.name}"]
+    env = []
     if spec.gpus:
         env.append(f"CUDA_VISIBLE_DEVICES={spec.gpus}")
     env += [f"{k}={v}" for k, v in spec.env]
     q = shlex.quote
     pidfile = _pidfile(spec, cfg)
-    lines = [f"mkdir -p {q(cfg.run_dir)}", f"echo $$ > {q(pidfile)}"]
+    start = _STAT_START.format(pid="$$")
+    lines = [f"mkdir -p {q(cfg.run_dir)}", f'echo "$$ $({start})" > {q(pidfile)}']
     if cfg.workdir:
         lines.append(f"cd {q(cfg.workdir)}")
     lines.append("exec env " + shlex.join([*env, *role_command(spec, specs, cfg)]))
@@ -336,11 +339,12 @@ def stop_script(spec: RoleSpec, cfg: LaunchConfig) -> str:
     """Shell script: SIGTERM the role if its pid file names a live process of ours, wait up to
     ``stop_timeout_s``, then SIGKILL; remove the pid file. Exits 0 when nothing is left."""
     q = shlex.quote
-    marker = q(f"{MARKER}={cfg.deploy_id}/{spec.name}")
     ticks = max(1, int(cfg.stop_timeout_s / 0.2))
+    # ours: the pid is alive, not a zombie, and started when the pid file says.
     return (
-        f'f={q(_pidfile(spec, cfg))}; [ -f "$f" ] || exit 0; pid=$(cat "$f"); '
-        f"ours() {{ tr '\\000' '\\n' < /proc/$pid/environ 2>/dev/null | grep -qxF {marker}; }}; "
+        f'f={q(_pidfile(spec, cfg))}; [ -f "$f" ] || exit 0; read -r pid start < "$f"; '
+        "ours() { s=$(sed 's/.*) //' /proc/$pid/stat 2>/dev/null) || return 1; set -- $s; "
+        '[ "$1" != Z ] && [ -n "$start" ] && [ "${20}" = "$start" ]; }; '
         f'if ours; then kill -TERM "$pid" 2>/dev/null; i=0; '
         f"while ours && [ $i -lt {ticks} ]; do sleep 0.2; i=$((i+1)); done; "
         f'ours && kill -KILL "$pid" 2>/dev/null; fi; rm -f "$f"'
@@ -407,6 +411,8 @@ class Launcher:
         self.cfg = cfg
         self.runner = runner
         self.started: list[_Started] = []
+        self.forced: list[str] = []
+        """Roles whose local end had to be killed after their stop script (should stay empty)."""
         self.log_dir = Path(cfg.log_dir)
 
     @property
@@ -492,6 +498,8 @@ class Launcher:
         try:
             s.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
+            self.forced.append(s.spec.name)  # the stop script did not end it: worth a look
+            print(f"launch: {s.spec.name} outlived its stop script; killing its local end", file=sys.stderr)
             os.killpg(s.proc.pid, signal.SIGKILL)
             s.proc.wait()
 
@@ -529,9 +537,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ssh-option", action="append", default=[], help="extra ssh argument (repeatable)")
     p.add_argument("--model", default=d.model)
     p.add_argument("--cache-dir", default=d.cache_dir)
-    p.add_argument("--python", default=d.python)
+    p.add_argument(
+        "--python", default="", help="Python on the hosts; default: python3 over ssh, this one otherwise"
+    )
     p.add_argument("--redis-server", default=d.redis_server)
-    p.add_argument("--workdir", default=d.workdir)
+    p.add_argument(
+        "--workdir",
+        default=d.workdir,
+        help="where roles start; default: home over ssh, this directory otherwise",
+    )
     p.add_argument("--run-dir", default=d.run_dir)
     p.add_argument("--log-dir", default=d.log_dir)
     p.add_argument(
@@ -551,13 +565,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    d = LaunchConfig()
     specs = parse_hosts(Path(args.hosts).read_text())
     cfg = LaunchConfig(
         model=args.model,
         cache_dir=args.cache_dir,
-        python=args.python,
+        python=args.python or (d.python if args.runner == "ssh" else sys.executable),
         redis_server=args.redis_server,
-        workdir=args.workdir,
+        workdir=args.workdir or ("" if args.runner == "ssh" else os.getcwd()),
         run_dir=args.run_dir,
         log_dir=args.log_dir,
         cluster_token=_read_token(args),
