@@ -599,6 +599,12 @@ def main(argv: list[str] | None = None) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, _terminate)
+    if not cfg.cluster_token:
+        print(
+            "launch: no cluster token (--cluster-token-file or $PDSERVE_CLUSTER_TOKEN): the nodes' "
+            "internal APIs and Redis accept anyone who reaches them",
+            file=sys.stderr,
+        )
     try:
         url = launcher.start()
         print(f"launch: pdserve is up: OpenAI API at {url}/v1 (logs in {launcher.log_dir})", flush=True)
