@@ -9,16 +9,16 @@ Everything else is one code path, so the CPU tests exercise what runs on GPUs.
 Per chunk of layers (at most ``CHUNK_BYTES``): the prefill node sends a ``KVSend`` header on
 the control connection, then ``send``s the staged ``[layers, n, 2, BS, Hkv, D]`` tensor (bytes)
 with the header's sequence number as tag. A per-pair thread on the decode node takes headers
-in order, ``recv``s each into a fresh buffer, and scatters it into the reserved blocks under
+in order, ``recv``s each into the pair's receive buffer, and scatters it into the reserved blocks under
 the reservation table's lock (``ReservationTable.write``), on its own CUDA stream. The
 commit queues behind the chunks on the same thread and is acked from there.
 
 Failure: a header that does not fit the reservation is still received (into the buffer, then
 dropped) so the two ends stay in step, and fails the request at its commit. A recv or send
 that fails or outlives its deadline aborts the pair's communicator; the sender reconnects
-with a new session for its next request. Because every recv lands in a buffer of its own and
-reaches the cache only by a copy made after it completed, an aborted or late transfer never
-writes into the cache, and released reservations take no copies.
+with a new session for its next request. Because a recv lands in the pair's buffer and
+reaches the cache only by a copy made after it completed (a broken pair drops its buffer), an
+aborted or late transfer never writes into the cache, and released reservations take no copies.
 
 Known limit (CUDA): NCCL creates the communicator at the pair's first send/recv and blocks
 until both ranks join; a decode node that dies between set-up and its first recv leaves that
@@ -132,6 +132,7 @@ class _Pair:
         self.jobs: queue.Queue = queue.Queue()
         self.group = None
         self.broken = ""
+        self._buf: torch.Tensor | None = None
         self.thread = threading.Thread(target=self._run, name="kv-nccl-pair", daemon=True)
         self.thread.start()
 
@@ -160,6 +161,7 @@ class _Pair:
 
     def _break(self, why: str) -> None:
         self.broken = why
+        self._buf = None
         logger.warning("KV pair %s: %s", self.session[:8], why)
         _abort(self.group)
         self.group = None
@@ -178,7 +180,10 @@ class _Pair:
             self._break(f"KVSend of {msg.nbytes} bytes cannot be received")
             table.fail(msg.request_id, self.broken)
             return
-        buf = torch.empty(msg.nbytes, dtype=torch.uint8, device=kv.device)
+        # One receive buffer per pair, grown as needed: a failed recv breaks the pair and drops it.
+        if self._buf is None or self._buf.numel() < msg.nbytes:
+            self._buf = torch.empty(msg.nbytes, dtype=torch.uint8, device=kv.device)
+        buf = self._buf[: msg.nbytes]
         try:
             _wait(self.group.recv([buf], 0, msg.seq), time.monotonic() + RECV_TIMEOUT_S, kv.is_cuda)
         except Exception as e:

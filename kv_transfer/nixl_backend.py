@@ -42,6 +42,7 @@ that wait on transfers and notifications progress UCX as they poll.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import functools
 import itertools
 import logging
@@ -101,6 +102,11 @@ def _agent(role: str, ucx_net_devices: str, ucx_tls: str):
     agent = nixl_agent(f"pdserve-{role}-{uuid.uuid4().hex[:12]}", config)
     agent.create_backend("UCX", {"ucx_devices": ucx_net_devices} if ucx_net_devices else {})
     return agent
+
+
+def _on_device(t: torch.Tensor):
+    """Make the tensor's CUDA context current on this thread (UCX asks the driver about pointers)."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
 def _mem_type(t: torch.Tensor) -> str:
@@ -197,8 +203,9 @@ class NixlReceiverPlane(ReceiverPlane):
         self.kv, self.table = kv, table
         self.num_layers, self.num_blocks = kv.shape[0], kv.shape[1]
         self.region_bytes = kv[0, 0].numel() * kv.element_size()
-        self.agent = _agent("decode", self.ucx_net_devices, self.ucx_tls)
-        self._registered = self.agent.register_memory(kv)  # the whole cache, once
+        with _on_device(kv):
+            self.agent = _agent("decode", self.ucx_net_devices, self.ucx_tls)
+            self._registered = self.agent.register_memory(kv)  # the whole cache, once
         regions = _regions(
             kv.data_ptr(), self.region_bytes, self.num_layers * self.num_blocks, _device_id(kv)
         )
@@ -246,6 +253,10 @@ class NixlReceiverPlane(ReceiverPlane):
     # -- reader thread ---------------------------------------------------------------------------
 
     def _run(self) -> None:
+        with _on_device(self.kv):
+            self._serve()
+
+    def _serve(self) -> None:
         inflight: list[_Read] = []
         while not self._stop.is_set():
             # Without a progress thread, notifications leave only while UCX is progressed: keep
@@ -359,8 +370,9 @@ class NixlSenderPlane(SenderPlane):
         num_slots = max(kv.shape[0], staging // self.slot_bytes)  # at least one block of every layer
         self.arena = torch.empty((num_slots, *kv.shape[2:]), dtype=kv.dtype, device=kv.device)
         self.slots = SlotArena(num_slots)
-        self.agent = _agent("prefill", self.ucx_net_devices, self.ucx_tls)
-        self._registered = self.agent.register_memory(self.arena)
+        with _on_device(kv):
+            self.agent = _agent("prefill", self.ucx_net_devices, self.ucx_tls)
+            self._registered = self.agent.register_memory(self.arena)
         self.stream = torch.cuda.Stream(kv.device) if kv.is_cuda else None
 
     def setup_fields(self) -> dict:

@@ -1,11 +1,22 @@
-"""KV transfer throughput between two processes: pdserve's zmq backend against a raw TCP socket.
+"""KV transfer throughput between two processes: pdserve's transports against raw anchors.
 
-The receiver process holds a real KV cache (the default model's shape unless told
-otherwise) and a reservation for the blocks; the sender process pushes the same number
-of bytes as real blocks through ``ZmqSender`` and, as the anchor measured in the same
-run, through one plain TCP connection into a preallocated buffer (``recv_into``).
+The receiver process holds a real KV cache and reservations for its blocks; the sender
+process holds another cache and pushes the same number of bytes as real blocks through
+pdserve's senders (``nixl``, ``nccl``, ``zmq``: the receiver accepts all three and each sender
+offers one), and, as anchors measured in the same run, through
 
-``python -m pdserve.benchmarks.kv_transfer --sizes-mib 64,256``
+* raw NCCL ``send``/``recv`` of one contiguous tensor (CUDA; ``init_process_group``),
+* a raw NIXL READ of one contiguous registered region (what pdserve's nixl backend does per
+  block, in one descriptor),
+* one plain TCP connection into a preallocated buffer (CPU).
+
+On a 2-GPU host (sender on cuda:0, receiver on cuda:1; Llama-3-8B's KV shape in bf16)::
+
+    python -m pdserve.benchmarks.kv_transfer --device cuda
+
+writes ``docs/benchmarks/kv_transfer_gpu.json``. On the CPU (SmolLM2-135M's shape in float32;
+nccl runs on gloo): ``--device cpu`` (``docs/benchmarks/kv_transfer_cpu.json``), or
+``--dry-run`` for a quick smoke test of every path (small sizes, output to a temp file).
 """
 
 from __future__ import annotations
@@ -14,182 +25,342 @@ import argparse
 import datetime
 import json
 import multiprocessing as mp
+import os
 import platform
 import socket
 import sys
+import tempfile
 import time
 
 import torch
 
 from pdserve.config import cpu_count
 
-# SmolLM2-135M's KV shape: 30 layers, 3 KV heads of 64, float32, blocks of 16 tokens.
-LAYERS, HEADS, HEAD_DIM, BLOCK = 30, 3, 64, 16
+SHAPES = {
+    # layers, KV heads, head dim, block size, dtype
+    "smollm2-135m": (30, 3, 64, 16, "float32"),
+    "llama-3-8b": (32, 8, 128, 16, "bfloat16"),
+}
 
 
-def _bytes_per_block(dtype: torch.dtype) -> int:
-    return LAYERS * 2 * BLOCK * HEADS * HEAD_DIM * dtype.itemsize
-
-
-def _info(node_id: str, dtype: torch.dtype):
+def _info(node_id: str, shape: tuple):
     from pdserve.messages import NodeInfo
 
+    layers, heads, head_dim, block, dtype = shape
     return NodeInfo(
-        node_id,
-        "decode",
-        "bench",
-        str(dtype),
-        BLOCK,
-        LAYERS,
-        HEADS,
-        HEAD_DIM,
-        "L,NB,2,BS,Hkv,D",
-        "zmq",
-        "",
-        4096,
-        1,
+        node_id, "decode", "bench", dtype, block, layers, heads, head_dim, "L,NB,2,BS,Hkv,D", "", "", 4096, 1
     )
 
 
-def _receiver(conn, num_blocks: int, dtype: torch.dtype) -> None:
+def _bytes_per_block(shape: tuple) -> int:
+    layers, heads, head_dim, block, dtype = shape
+    return layers * 2 * block * heads * head_dim * getattr(torch, dtype).itemsize
+
+
+def _cache(shape: tuple, num_blocks: int, device: str, fill: bool) -> torch.Tensor:
+    layers, heads, head_dim, block, dtype = shape
+    dims = (layers, num_blocks, 2, block, heads, head_dim)
+    if fill:
+        return torch.randn(dims, device=device).to(getattr(torch, dtype))
+    return torch.zeros(dims, dtype=getattr(torch, dtype), device=device)
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
+def _nixl_agent(name: str):
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    return nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+
+
+# -- receiver process ------------------------------------------------------------------------------
+
+
+def _receiver(conn, shape: tuple, num_blocks: int, device: str, transports: str, raw_bytes: int) -> None:
+    import kv_transfer
     from kv_transfer import ReservationTable
-    from kv_transfer.zmq_backend import ZmqReceiver
 
     torch.set_num_threads(1)
-    kv = torch.zeros(LAYERS, num_blocks, 2, BLOCK, HEADS, HEAD_DIM, dtype=dtype)
-    table = ReservationTable(LAYERS)
-    receiver = ZmqReceiver()
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
+    kv = _cache(shape, num_blocks, device, fill=False)
+    table = ReservationTable(shape[0])
+    receiver = kv_transfer.create_receiver(transports)
     receiver.register_kv_cache(kv)
-    address = receiver.start(_info("bench-decode", dtype), table, lambda commit: None)
+    address = receiver.start(_info("bench-decode", shape), table, lambda commit: None)
     raw = socket.socket()
     raw.bind(("127.0.0.1", 0))
     raw.listen(1)
     conn.send((address, raw.getsockname()[1]))
-    buf = bytearray(num_blocks * _bytes_per_block(dtype))
-    view = memoryview(buf)
+    buf = torch.empty(raw_bytes, dtype=torch.uint8, device=device)
+    nixl = None
     while True:
         cmd = conn.recv()
         if cmd is None:
             break
-        kind, rid, n = cmd
+        kind, arg = cmd
         if kind == "reserve":
-            table.add(rid, list(range(n)), time.time() + 60)
+            rid, n = arg
+            table.add(rid, list(range(n)), time.time() + 120)
             conn.send("ok")
-        elif kind == "raw":
+        elif kind == "raw_tcp":
+            host_buf = memoryview(buf.numpy())
             c, _ = raw.accept()
             got = 0
-            while got < n:
-                k = c.recv_into(view[got:n])
+            while got < arg:
+                k = c.recv_into(host_buf[got:arg])
                 if k == 0:
                     break
                 got += k
             c.sendall(b"k")
             c.close()
             conn.send(got)
+        elif kind == "nccl_init":
+            import torch.distributed as dist
+
+            store = dist.TCPStore("127.0.0.1", arg, is_master=False)
+            backend = "nccl" if device.startswith("cuda") else "gloo"
+            dist.init_process_group(backend, store=store, rank=1, world_size=2)
+            conn.send("ok")
+        elif kind == "raw_nccl":
+            import torch.distributed as dist
+
+            dist.recv(buf[:arg], src=0)
+            _sync(device)
+            conn.send("done")
+        elif kind == "nixl_init":
+            metadata, address_remote, dev = arg
+            nixl = _nixl_agent("bench-raw-decode")
+            nixl.register_memory(buf)
+            remote_name = nixl.add_remote_agent(metadata)
+            mem = "VRAM" if device.startswith("cuda") else "DRAM"
+            conn.send(nixl.get_agent_metadata())
+            nixl_remote = (remote_name, address_remote, dev, mem)
+        elif kind == "raw_nixl":
+            remote_name, address_remote, dev, mem = nixl_remote
+            local = nixl.get_xfer_descs([(buf.data_ptr(), arg, max(buf.get_device(), 0))], mem)
+            remote = nixl.get_xfer_descs([(address_remote, arg, dev)], mem)
+            handle = nixl.initialize_xfer("READ", local, remote, remote_name)
+            state = nixl.transfer(handle)
+            while state == "PROC":
+                state = nixl.check_xfer_state(handle)
+            handle.release()
+            conn.send(state)
     receiver.close()
 
 
-def run(args: argparse.Namespace) -> dict:
-    dtype = getattr(torch, args.dtype)
-    sizes = [int(s) for s in args.sizes_mib.split(",")]
-    block_bytes = _bytes_per_block(dtype)
-    max_blocks = max(-(-s * (1 << 20) // block_bytes) for s in sizes)
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_receiver, args=(child, max_blocks, dtype), daemon=True)
-    proc.start()
-    address, raw_port = parent.recv()
+# -- sender process (this one) ---------------------------------------------------------------------
 
-    from kv_transfer.zmq_backend import ZmqSender
+
+class _Remote:
+    def __init__(self, ctx, args) -> None:
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_receiver, args=(child, *args), daemon=True)
+        self.proc.start()
+
+    def call(self, kind: str, arg=None, timeout: float = 300):
+        self.conn.send((kind, arg))
+        if not self.conn.poll(timeout):
+            raise RuntimeError(f"the receiver did not answer {kind!r} in {timeout} s")
+        return self.conn.recv()
+
+
+def _median(times: list[float]) -> float:
+    times = sorted(times)
+    return times[len(times) // 2]
+
+
+def _time_transport(remote, sender, address, shape, n: int, repeats: int, tag: str) -> float:
     from pdserve.messages import KVCommit
 
+    times = []
+    for i in range(repeats + 1):  # the first run connects and warms up
+        rid = f"{tag}-{n}-{i}"
+        remote.call("reserve", (rid, n))
+        start = time.perf_counter()
+        ack = sender.send(
+            address, _info("bench-prefill", shape), rid, range(n), range(n), KVCommit(rid, 0), 120
+        )
+        ack = ack.result()
+        times.append(time.perf_counter() - start)
+        assert ack.ok, ack.error
+    return _median(times[1:])
+
+
+def run(args: argparse.Namespace) -> dict:
+    import kv_transfer
+
+    cuda = args.device == "cuda"
+    if cuda and torch.cuda.device_count() < 2:
+        raise SystemExit("--device cuda needs two GPUs (sender on cuda:0, receiver on cuda:1)")
+    send_dev, recv_dev = ("cuda:0", "cuda:1") if cuda else ("cpu", "cpu")
+    shape = SHAPES[args.shape or ("llama-3-8b" if cuda else "smollm2-135m")]
+    sizes = [int(s) for s in (args.sizes_mib or ("4,16" if args.dry_run else "16,256,1024")).split(",")]
+    repeats = 1 if args.dry_run else args.repeats
+    default = "nixl,nccl" if cuda else "nixl,nccl,zmq"
+    transports = [
+        t for t in (args.transports or default).split(",") if t in kv_transfer.available_transports()
+    ]
+    anchors = args.anchors or ("nccl,nixl" if cuda else "tcp,nixl,nccl")
+    block_bytes = _bytes_per_block(shape)
+    max_blocks = max(-(-s * (1 << 20) // block_bytes) for s in sizes)
+    max_bytes = max_blocks * block_bytes
+    ctx = mp.get_context("spawn")
+    accepted = ",".join(dict.fromkeys([*transports, "zmq"]))
+    remote = _Remote(ctx, (shape, max_blocks, recv_dev, accepted, max_bytes))
+    if not remote.conn.poll(300):
+        raise RuntimeError("the receiver did not start")
+    address, raw_port = remote.conn.recv()
+
     torch.set_num_threads(1)
-    src = torch.randn(LAYERS, max_blocks, 2, BLOCK, HEADS, HEAD_DIM).to(dtype)
-    sender = ZmqSender()
-    sender.register_kv_cache(src)
-    sender.handshake(address, _info("bench-prefill", dtype), 10)
+    if cuda:
+        torch.cuda.set_device(send_dev)
+    src = _cache(shape, max_blocks, send_dev, fill=True)
+    flat = src.view(-1).view(torch.uint8)
+    senders = {}
+    for name in transports:
+        # The arena holds the largest request, so nixl stages straight into registered memory.
+        senders[name] = kv_transfer.create_sender(name, staging_bytes=max_bytes)
+        senders[name].register_kv_cache(src)
+        senders[name].handshake(address, _info("bench-prefill", shape), 60)
+
+    nixl_anchor = "nixl" in anchors and "nixl" in kv_transfer.available_transports()
+    if "nccl" in anchors:
+        import torch.distributed as dist
+
+        store = dist.TCPStore("127.0.0.1", 0, world_size=2, is_master=True, wait_for_workers=False)
+        remote.conn.send(("nccl_init", store.port))
+        dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=0, world_size=2)
+        assert remote.conn.recv() == "ok"
+    if nixl_anchor:
+        agent = _nixl_agent("bench-raw-prefill")
+        agent.register_memory(flat)
+        reply = remote.call(
+            "nixl_init", (agent.get_agent_metadata(), flat.data_ptr(), max(flat.get_device(), 0))
+        )
+        agent.add_remote_agent(reply)
+
     rows = []
     for size in sizes:
         n = -(-size * (1 << 20) // block_bytes)
         nbytes = n * block_bytes
-        zmq_times, raw_times = [], []
-        for i in range(args.repeats + 1):
-            rid = f"r{size}-{i}"
-            parent.send(("reserve", rid, n))
-            parent.recv()
-            t = time.perf_counter()
-            ack = sender.send(
-                address,
-                _info("bench-prefill", dtype),
-                rid,
-                list(range(n)),
-                list(range(n)),
-                KVCommit(rid, 0),
-                60,
-            ).result()
-            zmq_times.append(time.perf_counter() - t)
-            assert ack.ok, ack.error
-            payload = memoryview(src.view(torch.uint8).numpy().reshape(-1))[:nbytes]
-            parent.send(("raw", rid, nbytes))
-            t = time.perf_counter()
-            with socket.create_connection(("127.0.0.1", raw_port)) as s:
-                s.sendall(payload)
-                s.recv(1)
-            raw_times.append(time.perf_counter() - t)
-            assert parent.recv() == nbytes
-        zmq_s = sorted(zmq_times[1:])[len(zmq_times[1:]) // 2]
-        raw_s = sorted(raw_times[1:])[len(raw_times[1:]) // 2]
-        row = {
-            "mib": size,
-            "blocks": n,
-            "bytes": nbytes,
-            "zmq_gb_s": nbytes / zmq_s / 1e9,
-            "raw_tcp_gb_s": nbytes / raw_s / 1e9,
-            "ratio_zmq_to_raw": raw_s / zmq_s,
-        }
+        row = {"mib": size, "blocks": n, "bytes": nbytes}
+        for name, sender in senders.items():
+            seconds = _time_transport(remote, sender, address, shape, n, repeats, name)
+            row[f"pdserve_{name}_gb_s"] = nbytes / seconds / 1e9
+        if "nccl" in anchors:
+            import torch.distributed as dist
+
+            times = []
+            for _ in range(repeats + 1):
+                _sync(send_dev)
+                remote.conn.send(("raw_nccl", nbytes))
+                start = time.perf_counter()
+                dist.send(flat[:nbytes], dst=1)
+                assert remote.conn.recv() == "done"
+                times.append(time.perf_counter() - start)
+            row["raw_nccl_gb_s"] = nbytes / _median(times[1:]) / 1e9
+        if nixl_anchor:
+            times = []
+            for _ in range(repeats + 1):
+                start = time.perf_counter()
+                assert remote.call("raw_nixl", nbytes) == "DONE"
+                times.append(time.perf_counter() - start)
+            row["raw_nixl_read_gb_s"] = nbytes / _median(times[1:]) / 1e9
+        if "tcp" in anchors and not cuda:
+            payload = memoryview(flat[:nbytes].numpy())
+            times = []
+            for _ in range(repeats + 1):
+                remote.conn.send(("raw_tcp", nbytes))
+                start = time.perf_counter()
+                with socket.create_connection(("127.0.0.1", raw_port)) as s:
+                    s.sendall(payload)
+                    s.recv(1)
+                assert remote.conn.recv() == nbytes
+                times.append(time.perf_counter() - start)
+            row["raw_tcp_gb_s"] = nbytes / _median(times[1:]) / 1e9
+        for name in transports:
+            for anchor in ("raw_nccl", "raw_nixl_read", "raw_tcp"):
+                if f"{anchor}_gb_s" in row:
+                    row[f"ratio_{name}_to_{anchor}"] = row[f"pdserve_{name}_gb_s"] / row[f"{anchor}_gb_s"]
         rows.append(row)
-        print(
-            f"{size:5d} MiB ({n} blocks): zmq {row['zmq_gb_s']:.2f} GB/s, "
-            f"raw TCP {row['raw_tcp_gb_s']:.2f} GB/s, ratio {row['ratio_zmq_to_raw']:.2f}",
-            flush=True,
-        )
-    parent.send(None)
-    proc.join(timeout=10)
-    sender.close()
+        figures = ", ".join(f"{k[:-5]} {v:.2f}" for k, v in row.items() if k.endswith("_gb_s"))
+        print(f"{size:5d} MiB ({n} blocks), GB/s: {figures}", flush=True)
+
+    remote.conn.send(None)
+    remote.proc.join(timeout=30)
+    for sender in senders.values():
+        sender.close()
+    if "nccl" in anchors:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+
+    if cuda:
+        names = {torch.cuda.get_device_name(i) for i in range(2)}
+        device = f"2 x {' / '.join(sorted(names))} (sender cuda:0, receiver cuda:1)"
+    else:
+        device = f"cpu: {platform.processor() or platform.machine()}, {cpu_count()} cores, loopback"
+    versions = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "pyzmq": __import__("zmq").__version__,
+    }
+    if "nixl" in kv_transfer.available_transports():
+        from importlib.metadata import version
+
+        versions["nixl"] = version("nixl")
+    if cuda:
+        versions["cuda"] = torch.version.cuda
+        versions["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    layers, heads, head_dim, block, dtype = shape
     result = {
-        "benchmark": "kv_transfer_zmq",
-        "device": f"cpu: {platform.processor() or platform.machine()}, {cpu_count()} cores, loopback TCP",
+        "benchmark": "kv_transfer",
+        "device": device,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(["python", "-m", "pdserve.benchmarks.kv_transfer", *sys.argv[1:]]),
-        "versions": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "pyzmq": __import__("zmq").__version__,
-        },
+        "dry_run": args.dry_run,
+        "versions": versions,
+        "env": {k: os.environ[k] for k in ("UCX_TLS", "UCX_NET_DEVICES") if k in os.environ},
         "kv_shape": {
-            "layers": LAYERS,
-            "kv_heads": HEADS,
-            "head_dim": HEAD_DIM,
-            "block_size": BLOCK,
-            "dtype": args.dtype,
+            "layers": layers,
+            "kv_heads": heads,
+            "head_dim": head_dim,
+            "block_size": block,
+            "dtype": dtype,
             "bytes_per_block": block_bytes,
         },
-        "what": "time from ZmqSender.send (includes staging the blocks out of the cache) to the decode "
-        "side's ack after writing every block into its cache; raw TCP = one socket, sendall into recv_into",
-        "repeats": args.repeats,
+        "what": "pdserve_<t>: time from KVSender.send (staging the blocks out of the cache included) to "
+        "the decode side's ack after every block landed in its reserved slots, through transport t; "
+        "raw_nccl: dist.send of one contiguous tensor until the receiver synced its recv; "
+        "raw_nixl_read: one NIXL READ of one contiguous registered region, started by the receiver; "
+        "raw_tcp: one socket, sendall into recv_into. GB/s = bytes / median time.",
+        "repeats": repeats,
         "results": rows,
     }
-    with open(args.output, "w") as f:
+    out = args.output or (
+        os.path.join(tempfile.gettempdir(), "kv_transfer_dry_run.json")
+        if args.dry_run
+        else f"docs/benchmarks/kv_transfer_{'gpu' if cuda else 'cpu'}.json"
+    )
+    with open(out, "w") as f:
         json.dump(result, f, indent=2)
-    print(f"wrote {args.output}")
+    print(f"wrote {out}")
     return result
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--sizes-mib", default="64,256")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--output", default="docs/benchmarks/kv_transfer_zmq_cpu.json")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--sizes-mib", default="", help="default 16,256,1024 (4,16 with --dry-run)")
+    p.add_argument("--transports", default="", help="pdserve transports to time (default: all available)")
+    p.add_argument("--anchors", default="", help="raw anchors: nccl, nixl, tcp (default: nccl,nixl on cuda)")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="", help="KV shape (default by device)")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--dry-run", action="store_true", help="small sizes, one repeat, output to a temp file")
+    p.add_argument("--output", default="", help="default docs/benchmarks/kv_transfer_<cpu|gpu>.json")
 
 
 def main(argv: list[str] | None = None) -> None:
