@@ -321,30 +321,57 @@ class SenderSession(ABC):
 
 @dataclass
 class Staged:
-    """Blocks copied out of a sender's cache: ``tensor`` is [L, n, 2, BS, Hkv, D]."""
+    """Blocks copied out of a sender's cache: ``tensor`` is [L, n, 2, BS, Hkv, D].
+
+    On CUDA the copy runs in layer chunks, each followed by an event, so a transport can start
+    moving the first layers while the last ones are still being gathered."""
 
     tensor: torch.Tensor
-    ready: object = None  # a torch.cuda.Event recorded after the copy (None on the CPU)
+    ready: list[tuple[int, object]] = field(default_factory=list)  # (layer end, CUDA event), in order
     slot_start: int = -1  # where ``tensor`` sits in a registered staging arena (-1: not in one)
     release: Callable[[], None] | None = None  # gives the arena slots back; the sender calls it once
 
-    def wait(self) -> None:
-        """Block until the copy is done (the copy ran on the staging thread's stream)."""
-        if self.ready is not None:
-            self.ready.synchronize()
+    def event(self, layer_end: int | None = None):
+        """The event after which layers [0, layer_end) (default: all) are staged; None on the CPU."""
+        for end, event in self.ready:
+            if layer_end is not None and end >= layer_end:
+                return event
+        return self.ready[-1][1] if self.ready else None
+
+    def wait(self, layer_end: int | None = None) -> None:
+        """Block until layers [0, layer_end) (default: all) are staged."""
+        event = self.event(layer_end)
+        if event is not None:
+            event.synchronize()
+
+
+STAGE_CHUNK_BYTES = 64 << 20
+"""Staging on CUDA is cut into layer chunks of about this size (one kernel and event each)."""
+
+
+def layer_chunks(num_layers: int, bytes_per_layer: int, chunk_bytes: int) -> list[tuple[int, int]]:
+    """[start, end) layer ranges of at most ``chunk_bytes`` (at least one layer each)."""
+    step = max(1, chunk_bytes // max(bytes_per_layer, 1))
+    return [(i, min(i + step, num_layers)) for i in range(0, num_layers, step)]
 
 
 def stage_blocks(kv: torch.Tensor, block_ids: Sequence[int], out: torch.Tensor | None = None) -> Staged:
     """Gather ``block_ids`` of every layer into ``out`` (or a new tensor) on the cache's device."""
     idx = torch.tensor(list(block_ids), dtype=torch.long, device=kv.device)
-    if kv.is_cuda:
-        from kernels.block_copy import gather_blocks
+    if not kv.is_cuda:
+        if out is None:
+            return Staged(kv.index_select(1, idx))
+        torch.index_select(kv, 1, idx, out=out)
+        return Staged(out)
+    from kernels.block_copy import gather_blocks
 
-        out = gather_blocks(kv, idx, out=out)
+    if out is None:
+        out = kv.new_empty((kv.shape[0], len(idx), *kv.shape[2:]))
+    staged = Staged(out)
+    bytes_per_layer = out[0].numel() * out.element_size()
+    for start, end in layer_chunks(kv.shape[0], bytes_per_layer, STAGE_CHUNK_BYTES):
+        gather_blocks(kv[start:end], idx, out=out[start:end])
         event = torch.cuda.Event()
         event.record()
-        return Staged(out, event)
-    if out is None:
-        return Staged(kv.index_select(1, idx))
-    torch.index_select(kv, 1, idx, out=out)
-    return Staged(out)
+        staged.ready.append((end, event))
+    return staged

@@ -9,15 +9,16 @@ Everything else is one code path, so the CPU tests exercise what runs on GPUs.
 Per chunk of layers (at most ``CHUNK_BYTES``): the prefill node sends a ``KVSend`` header on
 the control connection, then ``send``s the staged ``[layers, n, 2, BS, Hkv, D]`` tensor (bytes)
 with the header's sequence number as tag. A per-pair thread on the decode node takes headers
-in order, ``recv``s each into the pair's receive buffer, and scatters it into the reserved blocks under
-the reservation table's lock (``ReservationTable.write``), on its own CUDA stream. The
-commit queues behind the chunks on the same thread and is acked from there.
+in order and ``recv``s them into two buffers in turn, posting chunk k+1's recv before it copies
+chunk k into the reserved blocks under the reservation table's lock (``ReservationTable.write``),
+on its own CUDA stream. On the prefill side chunk k is sent as soon as its layers are gathered.
+The commit queues behind the chunks on the same thread and is acked from there.
 
 Failure: a header that does not fit the reservation is still received (into the buffer, then
 dropped) so the two ends stay in step, and fails the request at its commit. A recv or send
 that fails or outlives its deadline aborts the pair's communicator; the sender reconnects
-with a new session for its next request. Because a recv lands in the pair's buffer and
-reaches the cache only by a copy made after it completed (a broken pair drops its buffer), an
+with a new session for its next request. Because a recv lands in the pair's buffers and
+reaches the cache only by a copy made after it completed (a broken pair drops them), an
 aborted or late transfer never writes into the cache, and released reservations take no copies.
 
 Known limit (CUDA): NCCL creates the communicator at the pair's first send/recv and blocks
@@ -35,18 +36,21 @@ import socket
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
 
 from kv_transfer.base import (
+    STAGE_CHUNK_BYTES,
     KVTransferError,
     ReceiverPlane,
     ReservationTable,
     SenderPlane,
     SenderSession,
     Staged,
+    layer_chunks,
     stage_blocks,
 )
 from kv_transfer.wire import KVSend, KVSetup, KVSetupReply
@@ -55,8 +59,9 @@ from pdserve.messages import KVAck, KVCommit, encode
 
 logger = logging.getLogger(__name__)
 
-CHUNK_BYTES = 256 << 20
-"""Largest single send: big enough for full link speed, small enough to bound buffers."""
+CHUNK_BYTES = STAGE_CHUNK_BYTES
+"""Largest single send (as staging's chunks): chunk k+1 is sent while the decode node scatters
+chunk k, and chunk 0 while the prefill node still gathers the last layers."""
 RECV_TIMEOUT_S = 30.0
 OP_TIMEOUT = datetime.timedelta(hours=1)
 """The process group's own timeout: far past ours, so that its watchdog (which may end the
@@ -122,8 +127,23 @@ def _abort(group) -> None:
 # -- decode side ---------------------------------------------------------------------------------
 
 
+@dataclass
+class _Posted:
+    """A recv in flight: its header, work, buffer and deadline."""
+
+    msg: KVSend
+    work: object
+    buf: torch.Tensor
+    deadline: float
+
+
 class _Pair:
-    """One sender's communicator on the decode node, with the thread that receives on it."""
+    """One sender's communicator on the decode node, with the thread that receives on it.
+
+    Two receive buffers take turns: the recv of chunk k+1 is posted before chunk k is copied
+    into the cache, so the copy overlaps the transfer. A failed recv breaks the pair (its
+    communicator is aborted and its buffers dropped) and fails every request it touched.
+    """
 
     def __init__(self, plane: NcclReceiverPlane, peer: bytes, session: str) -> None:
         self.plane = plane
@@ -132,7 +152,8 @@ class _Pair:
         self.jobs: queue.Queue = queue.Queue()
         self.group = None
         self.broken = ""
-        self._buf: torch.Tensor | None = None
+        self._bufs: list[torch.Tensor | None] = [None, None]
+        self._turn = 0
         self.thread = threading.Thread(target=self._run, name="kv-nccl-pair", daemon=True)
         self.thread.start()
 
@@ -144,56 +165,90 @@ class _Pair:
         except Exception as e:
             self.broken = f"nccl rendezvous with the sender failed: {e}"
             logger.warning("%s", self.broken)
-        stream = torch.cuda.Stream(plane.kv.device) if plane.kv.is_cuda else None
-        while True:
-            msg = self.jobs.get()
-            if msg is None:
-                break
-            if isinstance(msg, KVSend):
-                if stream is None:
-                    self._recv(msg)
-                else:
-                    with torch.cuda.device(plane.kv.device), torch.cuda.stream(stream):
-                        self._recv(msg)
-            else:
-                self._commit(msg)
+        if plane.kv.is_cuda:
+            stream = torch.cuda.Stream(plane.kv.device)
+            with torch.cuda.device(plane.kv.device), torch.cuda.stream(stream):
+                self._serve()
+        else:
+            self._serve()
         _abort(self.group)
+
+    def _serve(self) -> None:
+        pending: _Posted | None = None  # received (or receiving) and not yet in the cache
+        while True:
+            try:
+                msg = self.jobs.get_nowait() if pending is not None else self.jobs.get()
+            except queue.Empty:  # nothing queued behind it: land the last chunk now
+                self._land(pending)
+                pending = None
+                continue
+            if msg is None:
+                if pending is not None:
+                    self._land(pending)
+                return
+            if isinstance(msg, KVSend):
+                posted = self._post(msg)
+                if pending is not None:
+                    self._land(pending)
+                pending = posted
+            else:
+                if pending is not None:
+                    self._land(pending)
+                    pending = None
+                self._commit(msg)
 
     def _break(self, why: str) -> None:
         self.broken = why
-        self._buf = None
+        self._bufs = [None, None]
         logger.warning("KV pair %s: %s", self.session[:8], why)
         _abort(self.group)
         self.group = None
 
-    def _recv(self, msg: KVSend) -> None:
-        plane, kv, table = self.plane, self.plane.kv, self.plane.table
-        num_layers, n = msg.layer_end - msg.layer_start, len(msg.block_ids)
-        fits = 0 <= msg.layer_start < msg.layer_end <= kv.shape[0] and valid_block_ids(
-            msg.block_ids, kv.shape[1]
-        )
-        expected = num_layers * n * plane.region_bytes if fits else -1
+    def _post(self, msg: KVSend) -> _Posted | None:
+        plane, table = self.plane, self.plane.table
         if self.broken:
             table.fail(msg.request_id, self.broken)
-            return
+            return None
         if not 0 < msg.nbytes <= plane.cache_bytes:
             self._break(f"KVSend of {msg.nbytes} bytes cannot be received")
             table.fail(msg.request_id, self.broken)
-            return
-        # One receive buffer per pair, grown as needed: a failed recv breaks the pair and drops it.
-        if self._buf is None or self._buf.numel() < msg.nbytes:
-            self._buf = torch.empty(msg.nbytes, dtype=torch.uint8, device=kv.device)
-        buf = self._buf[: msg.nbytes]
+            return None
+        buf = self._bufs[self._turn]
+        if buf is None or buf.numel() < msg.nbytes:
+            buf = self._bufs[self._turn] = torch.empty(msg.nbytes, dtype=torch.uint8, device=plane.kv.device)
+        self._turn ^= 1
+        buf = buf[: msg.nbytes]
         try:
-            _wait(self.group.recv([buf], 0, msg.seq), time.monotonic() + RECV_TIMEOUT_S, kv.is_cuda)
+            work = self.group.recv([buf], 0, msg.seq)
+        except Exception as e:
+            self._break(f"nccl recv failed: {e}")
+            table.fail(msg.request_id, self.broken)
+            return None
+        return _Posted(msg, work, buf, time.monotonic() + RECV_TIMEOUT_S)
+
+    def _land(self, posted: _Posted | None) -> None:
+        """Wait for a posted recv, then copy it into the reserved blocks if they still are."""
+        if posted is None:
+            return
+        plane, kv, table, msg = self.plane, self.plane.kv, self.plane.table, posted.msg
+        if self.broken:
+            table.fail(msg.request_id, self.broken)
+            return
+        try:
+            _wait(posted.work, posted.deadline, kv.is_cuda)
         except Exception as e:
             self._break(f"nccl recv failed: {e}")
             table.fail(msg.request_id, self.broken)
             return
-        if msg.nbytes != expected:  # received to stay in step with the sender, then dropped
+        num_layers, n = msg.layer_end - msg.layer_start, len(msg.block_ids)
+        fits = 0 <= msg.layer_start < msg.layer_end <= kv.shape[0] and valid_block_ids(
+            msg.block_ids, kv.shape[1]
+        )
+        if not fits or msg.nbytes != num_layers * n * plane.region_bytes:
+            # Received to stay in step with the sender, then dropped.
             table.fail(msg.request_id, f"KVSend of {msg.nbytes} bytes does not match its blocks and layers")
             return
-        src = buf.view(kv.dtype).view(num_layers, n, *kv.shape[2:])
+        src = posted.buf.view(kv.dtype).view(num_layers, n, *kv.shape[2:])
 
         def copy() -> None:
             ids = torch.tensor(msg.block_ids, dtype=torch.long, device=kv.device)
@@ -316,19 +371,14 @@ class NcclSession(SenderSession):
     def deliver(self, request_id: str, staged: Staged, dst_block_ids: list[int], deadline: float) -> None:
         plane = self.plane
         cuda = plane.kv.is_cuda
-        tensor = staged.tensor
-        works = []
         try:
             if cuda:
                 with torch.cuda.device(plane.kv.device), torch.cuda.stream(plane.stream):
-                    if staged.ready is not None:
-                        plane.stream.wait_event(staged.ready)
-                    tensor = tensor.to(plane.kv.device, non_blocking=True)  # staged on the CPU before set-up
-                    works = self._post(request_id, tensor, dst_block_ids, deadline)
+                    works = self._post(request_id, staged, dst_block_ids, deadline)
                     for work in works:
                         _wait(work, deadline, cuda)
             else:
-                works = self._post(request_id, tensor.cpu(), dst_block_ids, deadline)
+                works = self._post(request_id, staged, dst_block_ids, deadline)
                 for work in works:
                     _wait(work, deadline, cuda)
         except KVTransferError:
@@ -338,18 +388,21 @@ class NcclSession(SenderSession):
                 raise KVTransferError(f"no reply from KV peer {self.peer.address} in time (nccl send)") from e
             raise KVTransferError(f"nccl send to KV peer {self.peer.address} failed: {e}") from e
 
-    def _post(self, request_id: str, tensor: torch.Tensor, dst_block_ids: list[int], deadline: float) -> list:
-        num_layers = tensor.shape[0]
+    def _post(self, request_id: str, staged: Staged, dst_block_ids: list[int], deadline: float) -> list:
+        """Post every chunk's send (each after its layers are staged); NCCL queues them in order."""
+        device = self.plane.kv.device
+        tensor = staged.tensor.to(device, non_blocking=True)  # staged on the CPU before set-up: copied once
         bytes_per_layer = tensor[0].numel() * tensor.element_size()
-        step = max(1, CHUNK_BYTES // max(bytes_per_layer, 1))
         works = []
-        for l0 in range(0, num_layers, step):
-            part = tensor[l0 : l0 + step].reshape(-1).view(torch.uint8)
+        for l0, l1 in layer_chunks(tensor.shape[0], bytes_per_layer, CHUNK_BYTES):
+            event = staged.event(l1)
+            if event is not None:
+                torch.cuda.current_stream().wait_event(event)
+            part = tensor[l0:l1].reshape(-1).view(torch.uint8)
             seq = next(self._seq)
-            header = KVSend(
-                request_id, seq, list(dst_block_ids), l0, min(l0 + step, num_layers), part.numel()
+            self.peer.send(
+                [encode(KVSend(request_id, seq, list(dst_block_ids), l0, l1, part.numel()))], deadline
             )
-            self.peer.send([encode(header)], deadline)
             works.append(self.group.send([part], 1, seq))
         return works
 

@@ -433,11 +433,11 @@ class NixlSession(SenderSession):
         cap = max(1, min(PIECE_BYTES // plane.slot_bytes, plane.slots.num_slots // 2))
         pending: dict[int, tuple[int, int, bool]] = {}  # transfer id -> (slot start, count, slots ours)
         try:
-            staged.wait()
             if staged.slot_start >= 0:  # already in the arena, [L, n] layer-major
                 step = max(1, cap // n)
                 for l0 in range(0, num_layers, step):
                     l1 = min(l0 + step, num_layers)
+                    staged.wait(l1)  # these layers are gathered (later ones may still be running)
                     xfer_id = self._ready(
                         request_id, dst_block_ids, l0, l1, staged.slot_start + l0 * n, deadline
                     )
@@ -448,7 +448,7 @@ class NixlSession(SenderSession):
                     start = self._alloc(count, pending, deadline)
                     xfer_id = next(plane._xfer_ids)
                     pending[xfer_id] = (start, count, True)
-                    self._copy_in(staged.tensor[l0:l1, j0:j1], start)
+                    self._copy_in(staged.tensor[l0:l1, j0:j1], start, staged.event(l1))
                     self._ready(request_id, dst_block_ids[j0:j1], l0, l1, start, deadline, xfer_id)
             while pending:
                 self._collect(pending, deadline)
@@ -473,13 +473,15 @@ class NixlSession(SenderSession):
                 return start
             self._collect(pending, deadline)  # waits a little when nothing of ours finished
 
-    def _copy_in(self, part: torch.Tensor, start: int) -> None:
+    def _copy_in(self, part: torch.Tensor, start: int, staged_event) -> None:
         plane = self.plane
         dst = plane.arena[start : start + part.shape[0] * part.shape[1]].view(part.shape)
         if plane.stream is None:
             dst.copy_(part)
             return
         with torch.cuda.stream(plane.stream):
+            if staged_event is not None:
+                plane.stream.wait_event(staged_event)
             dst.copy_(part, non_blocking=True)
         plane.stream.synchronize()
 

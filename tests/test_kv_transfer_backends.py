@@ -423,3 +423,33 @@ def test_sender_killed_mid_prompt_leaves_an_uncommitted_lease(name):
         if sender is not None:
             sender.close()
         r.close()
+
+
+@pytest.mark.parametrize("name", [b for b in BACKENDS if b != "zmq"])
+def test_many_chunks_in_flight_stay_in_step(name, monkeypatch):
+    """One layer per chunk: nccl posts chunk k+1's recv before landing chunk k, nixl has several
+    READs in flight; a refused chunk in the middle fails only its request."""
+    import kv_transfer.nccl_backend
+    import kv_transfer.nixl_backend
+
+    src = torch.randn(L, NB, 2, BS, H, D)
+    region = src[0, 0].numel() * 4
+    monkeypatch.setattr(kv_transfer.nccl_backend, "CHUNK_BYTES", 10 * region)
+    monkeypatch.setattr(kv_transfer.nixl_backend, "PIECE_BYTES", 10 * region)
+    r = Receiver(name)
+    sender = make_sender(name, src)
+    try:
+        ids = list(range(10))
+        r.table.add("a", [15 - i for i in ids], time.time() + 10)
+        r.table.add("c", [0, 1], time.time() + 10)
+        fa = _send(sender, r.address, "a", ids, [15 - i for i in ids])
+        fb = _send(sender, r.address, "b", [0, 1], [2, 3])  # nothing reserved for b
+        fc = _send(sender, r.address, "c", [12, 13], [0, 1])
+        assert fa.result().ok and fc.result().ok
+        with pytest.raises(KVTransferError, match="no reservation"):
+            fb.result()
+        assert torch.equal(r.dst[:, [15 - i for i in ids]], src[:, ids])
+        assert torch.equal(r.dst[:, [0, 1]], src[:, [12, 13]]) and r.dst[:, [2, 3]].abs().sum() == 0
+    finally:
+        sender.close()
+        r.close()

@@ -194,6 +194,7 @@ def run(args: argparse.Namespace) -> dict:
     import kv_transfer
 
     cuda = args.device == "cuda"
+    load_average = os.getloadavg()[0]  # other work on the machine moves CPU figures
     if cuda and torch.cuda.device_count() < 2:
         raise SystemExit("--device cuda needs two GPUs (sender on cuda:0, receiver on cuda:1)")
     send_dev, recv_dev = ("cuda:0", "cuda:1") if cuda else ("cpu", "cpu")
@@ -323,6 +324,7 @@ def run(args: argparse.Namespace) -> dict:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(["python", "-m", "pdserve.benchmarks.kv_transfer", *sys.argv[1:]]),
         "dry_run": args.dry_run,
+        "load_average_1m_at_start": load_average,
         "versions": versions,
         "env": {k: os.environ[k] for k in ("UCX_TLS", "UCX_NET_DEVICES") if k in os.environ},
         "kv_shape": {
