@@ -5,7 +5,7 @@ process holds another cache and pushes the same number of bytes as real blocks t
 pdserve's senders (``nixl``, ``nccl``, ``zmq``: the receiver accepts all three and each sender
 offers one), and, as anchors measured in the same run, through
 
-* raw NCCL ``send``/``recv`` of one contiguous tensor (CUDA; ``init_process_group``),
+* raw NCCL ``send``/``recv`` of one contiguous tensor (``init_process_group``; gloo on the CPU),
 * a raw NIXL READ of one contiguous registered region (what pdserve's nixl backend does per
   block, in one descriptor),
 * one plain TCP connection into a preallocated buffer (CPU).
@@ -263,7 +263,7 @@ def run(args: argparse.Namespace) -> dict:
                 dist.send(flat[:nbytes], dst=1)
                 assert remote.conn.recv() == "done"
                 times.append(time.perf_counter() - start)
-            row["raw_nccl_gb_s"] = nbytes / _median(times[1:]) / 1e9
+            row[f"raw_{'nccl' if cuda else 'gloo'}_gb_s"] = nbytes / _median(times[1:]) / 1e9
         if nixl_anchor:
             times = []
             for _ in range(repeats + 1):
@@ -284,7 +284,7 @@ def run(args: argparse.Namespace) -> dict:
                 times.append(time.perf_counter() - start)
             row["raw_tcp_gb_s"] = nbytes / _median(times[1:]) / 1e9
         for name in transports:
-            for anchor in ("raw_nccl", "raw_nixl_read", "raw_tcp"):
+            for anchor in ("raw_nccl", "raw_gloo", "raw_nixl_read", "raw_tcp"):
                 if f"{anchor}_gb_s" in row:
                     row[f"ratio_{name}_to_{anchor}"] = row[f"pdserve_{name}_gb_s"] / row[f"{anchor}_gb_s"]
         rows.append(row)
@@ -337,7 +337,8 @@ def run(args: argparse.Namespace) -> dict:
         },
         "what": "pdserve_<t>: time from KVSender.send (staging the blocks out of the cache included) to "
         "the decode side's ack after every block landed in its reserved slots, through transport t; "
-        "raw_nccl: dist.send of one contiguous tensor until the receiver synced its recv; "
+        "raw_nccl (raw_gloo on the CPU): dist.send of one contiguous tensor until the receiver synced "
+        "its recv; "
         "raw_nixl_read: one NIXL READ of one contiguous registered region, started by the receiver; "
         "raw_tcp: one socket, sendall into recv_into. GB/s = bytes / median time.",
         "repeats": repeats,
