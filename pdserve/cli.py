@@ -258,6 +258,7 @@ def main(argv: list[str] | None = None) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per node call otherwise
     args = build_parser().parse_args(argv)
     args.func(args)
 

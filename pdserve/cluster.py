@@ -10,6 +10,7 @@ SIGTERM, or when any child dies.
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -33,6 +34,8 @@ class ClusterConfig:
     """Number of prefill nodes."""
     decode_nodes: int = 1
     """Number of decode nodes."""
+    both_nodes: int = 0
+    """Number of co-located nodes (`--role both`), each serving whole requests."""
     threads_per_node: int = 0
     """torch threads per node; 0 splits the machine's cores between the nodes."""
     log_dir: str = ""
@@ -41,6 +44,17 @@ class ClusterConfig:
     """How long to wait for every role to answer /health."""
     cluster_token: str = ""
     """Shared secret for the internal APIs; empty means none."""
+    redis_url: str = ""
+    """Redis of the prefix index. Empty: start a private redis-server if one is installed, else run
+    without the index; `none`: run without it."""
+    routing: str = "prefix-aware"
+    """The proxy's --routing."""
+    min_remote_prefill_tokens: int = -1
+    """The proxy's --min-remote-prefill-tokens; -1 leaves the proxy's default."""
+    extra_node_flags: str = ""
+    """More flags for every node, e.g. "--kv-transport zmq" (engine flags go directly)."""
+    extra_proxy_flags: str = ""
+    """More flags for the proxy, e.g. "--api-key KEY"."""
 
 
 @dataclass
@@ -132,6 +146,8 @@ class LocalCluster:
         self.engine_flags = engine_flags
         self.model = model
         self.children: list[_Child] = []
+        self.redis: LocalRedis | None = None
+        self.redis_url = ""
         self.log_dir = Path(cfg.log_dir) if cfg.log_dir else model.resolved_cache_dir / "logs"
 
     def _spawn(self, role: str, port: int, args: list[str]) -> _Child:
@@ -169,25 +185,71 @@ class LocalCluster:
             from pdserve.default_model import ensure_default_model
 
             ensure_default_model(self.model.resolved_cache_dir)  # once, before the nodes race for it
-        num_nodes = cfg.prefill_nodes + cfg.decode_nodes
+        redis_url = self._start_redis()
+        counts = (("prefill", cfg.prefill_nodes), ("decode", cfg.decode_nodes), ("both", cfg.both_nodes))
+        num_nodes = sum(n for _, n in counts)
+        if cfg.decode_nodes + cfg.both_nodes < 1:
+            raise RuntimeError("a cluster needs at least one decode or both node")
         threads = cfg.threads_per_node or max(1, cpu_count() // num_nodes)
         token = ["--cluster-token", cfg.cluster_token] if cfg.cluster_token else []
+        index = ["--redis-url", redis_url] if redis_url else []
         nodes = []
-        for role, count in (("prefill", cfg.prefill_nodes), ("decode", cfg.decode_nodes)):
+        for role, count in counts:
             for _ in range(count):
                 port = free_port()
-                args = ["--port", str(port), "--num-threads", str(threads), *token, *self.engine_flags]
+                args = ["--port", str(port), "--num-threads", str(threads), *token, *index]
+                args += [*shlex.split(cfg.extra_node_flags), *self.engine_flags]
                 nodes.append(self._spawn(role, port, args))
         self._wait_healthy(nodes)
-        proxy_args = ["--host", cfg.host, "--port", str(cfg.port), "--model", self.model.model, *token]
+        proxy_args = ["--host", cfg.host, "--port", str(cfg.port), "--model", self.model.model]
+        proxy_args += [*token, *index, "--routing", cfg.routing]
+        if cfg.min_remote_prefill_tokens >= 0:
+            proxy_args += ["--min-remote-prefill-tokens", str(cfg.min_remote_prefill_tokens)]
         if self.model.cache_dir:
             proxy_args += ["--cache-dir", self.model.cache_dir]
-        for role in ("prefill", "decode"):
+        for role, _ in counts:
             urls = ",".join(c.url for c in nodes if c.role.startswith(role))
             proxy_args += [f"--{role}-urls", urls]
+        proxy_args += shlex.split(cfg.extra_proxy_flags)
         proxy = self._spawn("proxy", cfg.port, proxy_args)
         self._wait_healthy([proxy])
+        self.redis_url = redis_url
         return f"http://{cfg.host}:{cfg.port}"
+
+    def node_urls(self, role: str) -> list[str]:
+        return [c.url for c in self.children if c.role.startswith(role + "-")]
+
+    def add_proxy(self, *flags: str) -> str:
+        """Another proxy over (some of) the running nodes, e.g. with another routing policy."""
+        port = free_port()
+        args = ["--port", str(port), "--model", self.model.model, *flags]
+        if self.cfg.cluster_token:
+            args += ["--cluster-token", self.cfg.cluster_token]
+        if self.model.cache_dir:
+            args += ["--cache-dir", self.model.cache_dir]
+        proxy = self._spawn("proxy", port, args)
+        self._wait_healthy([proxy])
+        return proxy.url
+
+    def _start_redis(self) -> str:
+        """The prefix index's Redis URL: the given one, a private redis-server, or "" for none."""
+        url = self.cfg.redis_url
+        if url == "none":
+            return ""
+        if url:
+            return url
+        self.redis = LocalRedis(self.log_dir / "redis.log")
+        if not self.redis.binary:
+            print(
+                "pdserve up: redis-server not found, so no prefix index: routing uses load alone "
+                "(install redis-server, or pass --redis-url redis://host:port/0)",
+                file=sys.stderr,
+                flush=True,
+            )
+            self.redis = None
+            return ""
+        self.redis.start()
+        return self.redis.url
 
     def wait(self) -> int:
         """Block until a child dies (returning its code) or a signal arrives."""
@@ -210,6 +272,8 @@ class LocalCluster:
                 child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 os.killpg(child.proc.pid, signal.SIGKILL)
+        if self.redis is not None:
+            self.redis.stop()
 
 
 def run(cfg: ClusterConfig, engine_flags: list[str], model: ModelConfig) -> int:

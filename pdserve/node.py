@@ -22,7 +22,7 @@ from pdserve.engine_loop import EngineLoop, error_output
 from pdserve.messages import AbortRequest, Message, NodeInfo, NodeLoad, decode, encode
 from pdserve.metrics import CONTENT_TYPE, LATENCY_BUCKETS, Registry
 from pdserve.outputs import RequestOutput
-from pdserve.prefix_index import IndexPublisher, NodeRegistration
+from pdserve.prefix_index import IndexPublisher, NodeRegistration, redacted
 from pdserve.request import RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -203,7 +203,7 @@ class NodeState:
             service.ready()
         self.loop.start()
         where = f" at {self.info.kv_address}" if self.info.kv_address else ""
-        index = f"; prefix index at {node.redis_url}" if publish else ""
+        index = f"; prefix index at {redacted(node.redis_url)}" if publish else ""
         logger.info("%s node %s ready: KV via %s%s%s", self.role, self.info.node_id, transport, where, index)
 
     def stop(self) -> None:

@@ -29,6 +29,7 @@ import json
 import logging
 import threading
 import time
+import urllib.parse
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -74,6 +75,15 @@ for _, id in ipairs(ids) do
 end
 return out
 """
+
+
+def redacted(url: str) -> str:
+    """The Redis URL without its password, for logs."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = f"{parts.username or ''}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
 
 
 def namespace(model_id: str) -> str:

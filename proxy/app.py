@@ -251,6 +251,9 @@ class Proxy:
             cfg.cluster_token,
             POLICIES[cfg.routing](),
             cfg.load_poll_interval_s,
+            both_urls=cfg.both_urls,
+            redis_url=cfg.redis_url,
+            index_timeout_s=cfg.prefix_index_timeout_s,
         )
         try:
             await self.router.start(source.model_id, cfg.startup_timeout_s)
@@ -260,7 +263,14 @@ class Proxy:
         for node in self.router.nodes:
             self.metrics.node_up.labels(node.role, node.url).set_function(lambda n=node: float(n.available))
             self.metrics.node_inflight.labels(node.role, node.url).set_function(lambda n=node: n.num_inflight)
-        self.dispatcher = Dispatcher(self.router, self.registry, cfg.lease_s, cfg.admission_wait_s)
+        self.dispatcher = Dispatcher(
+            self.router,
+            self.registry,
+            cfg.lease_s,
+            cfg.admission_wait_s,
+            cfg.min_remote_prefill_tokens,
+            cfg.routing,
+        )
         self.started = True
         logger.info(
             "proxy ready: model %s (served as %s), max_model_len %d, %d prefill and %d decode nodes",
@@ -425,14 +435,12 @@ class Proxy:
         return ModelList(data=[card])
 
     async def health(self) -> Response:
-        """200 when at least one prefill and one decode node answer /health."""
-        usable = [n for n in self.router.nodes if not n.incompatible]
+        """200 when a decode (or co-located) node answers /health: requests can be served, by a
+        prefill node or, with none left, on the decode node itself."""
+        usable = [n for n in self.router.decode if not n.incompatible]
         answers = await asyncio.gather(*(n.client.health() for n in usable))
-        healthy = {n.role for n, ok in zip(usable, answers) if ok}
-        missing = [role for role in ("prefill", "decode") if role not in healthy]
-        if missing:
-            message = f"no healthy {' or '.join(missing)} node"
-            return JSONResponse(error_body(503, message), status_code=503)
+        if not any(answers):
+            return JSONResponse(error_body(503, "no healthy decode node"), status_code=503)
         return Response(status_code=200)
 
 

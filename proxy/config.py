@@ -37,6 +37,9 @@ class ProxyConfig:
     """Base URLs of the prefill nodes (comma-separated on the command line; http:// is implied)."""
     decode_urls: tuple[str, ...] = field(default_factory=tuple)
     """Base URLs of the decode nodes (comma-separated on the command line; http:// is implied)."""
+    both_urls: tuple[str, ...] = field(default_factory=tuple)
+    """Base URLs of co-located nodes (`--role both`): each serves whole requests, prefill included;
+    list one under --prefill-urls too to let it prefill for decode nodes."""
     model: str = DEFAULT_MODEL
     """The nodes' --model: `default`, an HF-format folder or `random:<preset>`; gives the tokenizer."""
     served_model_name: str = ""
@@ -51,10 +54,16 @@ class ProxyConfig:
     """Bearer token of the nodes' internal API; empty when the cluster uses none."""
     api_key: str = ""
     """If set, clients must send `Authorization: Bearer <api_key>` to /v1/*."""
-    routing: str = "least-loaded"
-    """How to pick nodes: `prefix-aware`, `least-loaded` or `round-robin`."""
+    routing: str = "prefix-aware"
+    """How to pick nodes: `prefix-aware` (cached prefix against queued work; needs --redis-url for
+    the cached part), `least-loaded` or `round-robin`."""
     redis_url: str = ""
     """Redis of the cluster's prefix index (redis://host:port/db); empty: route on load alone."""
+    prefix_index_timeout_s: float = 0.1
+    """Longest a request waits for the prefix index before it is routed on load alone."""
+    min_remote_prefill_tokens: int = 32
+    """A prompt whose uncached part on the chosen decode node is shorter than this is computed
+    there instead of on a prefill node; 0 always uses a prefill node."""
     default_max_tokens: int = 4096
     """max_tokens of a request that sets none; the rest of the context caps it further."""
     admission_wait_s: float = 5.0
@@ -67,13 +76,23 @@ class ProxyConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "prefill_urls", _normalize_urls(self.prefill_urls, "prefill"))
         object.__setattr__(self, "decode_urls", _normalize_urls(self.decode_urls, "decode"))
-        if not self.prefill_urls:
-            raise ValueError("the proxy needs at least one prefill node URL")
-        if not self.decode_urls:
-            raise ValueError("the proxy needs at least one decode node URL")
+        object.__setattr__(self, "both_urls", _normalize_urls(self.both_urls, "co-located"))
+        if not self.decode_urls and not self.both_urls:
+            raise ValueError("the proxy needs at least one decode or co-located (both) node URL")
+        both_twice = set(self.decode_urls) & set(self.both_urls)
+        if both_twice:
+            raise ValueError(f"{sorted(both_twice)} listed as decode and as co-located nodes: pick one")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        for name in ("lease_s", "request_timeout_s", "load_poll_interval_s", "startup_timeout_s"):
+        if self.min_remote_prefill_tokens < 0:
+            raise ValueError(f"min_remote_prefill_tokens must be >= 0, got {self.min_remote_prefill_tokens}")
+        for name in (
+            "lease_s",
+            "request_timeout_s",
+            "load_poll_interval_s",
+            "startup_timeout_s",
+            "prefix_index_timeout_s",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.admission_wait_s < 0:

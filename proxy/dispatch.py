@@ -41,6 +41,8 @@ from proxy.router import NodeState, Router, RouteRequest
 
 logger = logging.getLogger(__name__)
 
+INDEX_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5)
+
 
 class Dispatcher:
     """Starts ``Generation``s and owns the background abort tasks they leave behind."""
@@ -51,11 +53,30 @@ class Dispatcher:
         registry: Registry,
         lease_s: float = 30.0,
         admission_wait_s: float = 5.0,
+        min_remote_prefill_tokens: int = 0,
+        policy_name: str = "",
     ) -> None:
         self.router = router
         self.lease_s = lease_s
         self.admission_wait_s = admission_wait_s
+        self.min_remote_prefill_tokens = min_remote_prefill_tokens
+        self.policy_name = policy_name
         self._background: set[asyncio.Task] = set()
+        self.decisions = registry.counter(
+            "pdserve_routing_decisions_total",
+            "Where each request's prompt was computed, and why: remote_prefill(_cached) on a prefill "
+            "node; on the decode node for colocated, no_prefill_node, short_prompt, decode_holds_prefix.",
+            ["policy", "reason"],
+        )
+        self.index_lookup = registry.histogram(
+            "pdserve_prefix_index_lookup_seconds",
+            "Round trip of one prefix-index lookup in Redis (failures included).",
+            buckets=INDEX_BUCKETS,
+        )
+        self.index_unavailable = registry.counter(
+            "pdserve_prefix_index_unavailable_total",
+            "Requests routed on load alone because the prefix index failed or was too slow.",
+        )
         self.aborts = registry.counter(
             "pdserve_node_aborts_total", "Abort requests the proxy sent to nodes.", ["role"]
         )
@@ -84,6 +105,25 @@ class Dispatcher:
         self._background.discard(task)
         if not task.cancelled() and task.exception() is not None:
             logger.warning("background task failed: %r", task.exception())
+
+    def plan_prefill(self, decode: NodeState, route: RouteRequest) -> str:
+        """Why the prompt should be computed on ``decode`` itself, or "" to use a prefill node.
+
+        Conditional disaggregation: a remote prefill costs a hop and a KV transfer, and pays off
+        only when the decode node would otherwise compute many prompt tokens between its
+        decode steps.
+        """
+        if decode.colocated:
+            return "colocated"
+        if not any(n.available for n in self.router.prefill):
+            return "no_prefill_node"
+        cached = route.cached_tokens(decode)
+        if route.num_tokens - cached < self.min_remote_prefill_tokens:
+            return "decode_holds_prefix" if cached > 0 else "short_prompt"
+        return ""
+
+    def decide(self, reason: str) -> None:
+        self.decisions.labels(self.policy_name, reason).inc()
 
     def abort(self, node: NodeState, request_id: str) -> None:
         self.aborts.labels(node.role).inc()
@@ -174,7 +214,11 @@ class Generation:
             self._queue.put_nowait(ProxyError(500, f"internal error: {type(exc).__name__}: {exc}"))
 
     async def _protocol(self) -> None:
-        route = RouteRequest(self.request_id, self.prompt_token_ids)
+        route = await self.d.router.route(self.request_id, self.prompt_token_ids)
+        if route.index != "none":
+            self.d.index_lookup.observe(route.lookup_s)
+            if route.index == "unavailable":
+                self.d.index_unavailable.inc()
         decode, landing = await self._reserve(route)
         self.decode_node = decode
         try:
@@ -189,6 +233,9 @@ class Generation:
                 self.d.abort(decode, self.request_id)
 
     async def _generate(self, route: RouteRequest, landing: LandingDescriptor, events) -> None:
+        if landing.local_prefill:
+            await self._relay(events)
+            return
         prefill = asyncio.ensure_future(self._prefill(route, landing))
         relay = asyncio.ensure_future(self._relay(events))
         try:
@@ -229,7 +276,6 @@ class Generation:
 
     async def _reserve(self, route: RouteRequest) -> tuple[NodeState, LandingDescriptor]:
         router = self.d.router
-        msg = ReserveRequest(self.request_id, self.prompt_token_ids, self.params, self.d.lease_s)
         give_up = time.monotonic() + self.d.admission_wait_s
         backoff = 0.01
         while True:
@@ -240,6 +286,10 @@ class Generation:
             failed: list[str] = []
             status = 503  # 502 once some node answered with an error
             for node in ranked:
+                local = self.d.plan_prefill(node, route)
+                msg = ReserveRequest(
+                    self.request_id, self.prompt_token_ids, self.params, self.d.lease_s, bool(local)
+                )
                 try:
                     landing = await node.client.reserve(msg)
                 except asyncio.CancelledError:
@@ -265,6 +315,9 @@ class Generation:
                     self.d.abort(node, self.request_id)
                     raise ProxyError(502, f"decode node {node.url} reserved for {landing.request_id!r}")
                 node.num_inflight += 1
+                if local:
+                    self.d.decide(local)
+                    router.recent.note(node.node_id, route.block_hashes)
                 return node, landing
             now = time.monotonic()
             if not full:
@@ -286,7 +339,14 @@ class Generation:
         for node in router.rank("prefill", route):
             self.prefill_node = node
             self._prefill_pending = True
+            cached = route.cached_tokens(node)
+            if not failed:
+                self.d.decide("remote_prefill_cached" if cached else "remote_prefill")
+            for holder in (node, self.decode_node):  # both will hold the prompt's blocks
+                router.recent.note(holder.node_id, route.block_hashes)
+            uncached = route.num_tokens - cached
             node.num_inflight += 1
+            node.inflight_prefill_tokens += uncached
             start = time.monotonic()
             try:
                 result = await node.client.prefill(msg, timeout=None)
@@ -303,6 +363,7 @@ class Generation:
                 raise _node_failure(node, exc, "prefill failed") from None
             finally:
                 node.num_inflight -= 1
+                node.inflight_prefill_tokens -= uncached
             self._prefill_pending = False
             self.d.prefill_latency.observe(time.monotonic() - start)
             self.prefill_result = result

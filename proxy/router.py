@@ -15,12 +15,14 @@ import itertools
 import logging
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import httpx
 
+from pdserve.hashing import BlockHash, hash_block_chain
 from pdserve.messages import NodeInfo, NodeLoad
+from pdserve.prefix_index import IndexUnavailable, PrefixIndex, RecentRoutes
 from proxy.node_client import NodeClient, NodeError
 
 logger = logging.getLogger(__name__)
@@ -59,7 +61,9 @@ class NodeState:
     info: NodeInfo | None = None
     load: NodeLoad | None = None
     load_time: float = 0.0  # monotonic time of the last successful poll
+    colocated: bool = False  # listed as a co-located (both) node: it serves whole requests
     num_inflight: int = 0  # this proxy's requests on the node now
+    inflight_prefill_tokens: int = 0  # uncached prompt tokens of this proxy's prefills on it now
     up: bool = False
     incompatible: str = ""  # why the node is kept out of routing, if it is
     last_error: str = ""
@@ -76,6 +80,17 @@ class NodeState:
         return max(self.num_inflight, polled)
 
     @property
+    def node_id(self) -> str:
+        return self.info.node_id if self.info is not None else ""
+
+    @property
+    def queued_prefill_tokens(self) -> int:
+        """Prompt tokens the node still has to compute: exact for this proxy's own prefills,
+        up to a poll interval old for everyone's; take the larger."""
+        polled = self.load.pending_prompt_tokens if self.load else 0
+        return max(self.inflight_prefill_tokens, polled)
+
+    @property
     def free_block_fraction(self) -> float:
         if self.load is None or self.load.total_blocks <= 0:
             return 1.0
@@ -88,6 +103,23 @@ class RouteRequest:
 
     request_id: str
     prompt_token_ids: Sequence[int] = field(repr=False)
+    block_hashes: Sequence[BlockHash] = field(default=(), repr=False)
+    """The prompt's block-hash chain (empty when the cluster is not known yet)."""
+    cached_blocks: Mapping[str, int] = field(default_factory=dict)
+    """node id -> leading blocks of the prompt the node holds, per the prefix index; empty
+    when there is no index or it did not answer."""
+    block_size: int = 16
+    index: str = "none"
+    """What the prefix index said: ok, unavailable (down or slow), none (not configured)."""
+    lookup_s: float = 0.0
+    """How long the prefix-index lookup took."""
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    def cached_tokens(self, node: NodeState) -> int:
+        return min(self.cached_blocks.get(node.node_id, 0) * self.block_size, self.num_tokens)
 
 
 class RoutingPolicy(ABC):
@@ -133,7 +165,36 @@ class RoundRobin(RoutingPolicy):
         return list(candidates[start:]) + list(candidates[:start])
 
 
-POLICIES: dict[str, type[RoutingPolicy]] = {"least-loaded": LeastLoaded, "round-robin": RoundRobin}
+class PrefixAware(RoutingPolicy):
+    """Prefill nodes by the prompt tokens they would still have to compute before this prompt's
+    first token: its uncached part plus their queued prefill work. A node holding the prefix
+    wins until its queue outweighs the prefix; then the next node computes the prefix too, so
+    one hot prefix spreads instead of melting one node. Decode nodes by load first, then by
+    how much of the prompt they hold (what a local prefill would reuse), then free blocks.
+    Without index hits this is least-loaded by queued prompt tokens."""
+
+    def __init__(self) -> None:
+        self._turn = {"prefill": itertools.count(), "decode": itertools.count()}
+
+    def rank(self, role: str, candidates: Sequence[NodeState], route: RouteRequest) -> list[NodeState]:
+        n = len(candidates)
+        start = next(self._turn[role]) % n
+
+        def key(i: int) -> tuple:
+            node = candidates[i]
+            cached = route.cached_tokens(node)
+            if role == "prefill":
+                return (route.num_tokens - cached + node.queued_prefill_tokens, -cached, (i - start) % n)
+            return (node.load_score, -cached, -node.free_block_fraction, (i - start) % n)
+
+        return [candidates[i] for i in sorted(range(n), key=key)]
+
+
+POLICIES: dict[str, type[RoutingPolicy]] = {
+    "prefix-aware": PrefixAware,
+    "least-loaded": LeastLoaded,
+    "round-robin": RoundRobin,
+}
 
 
 class Router:
@@ -147,11 +208,22 @@ class Router:
         cluster_token: str = "",
         policy: RoutingPolicy | None = None,
         poll_interval_s: float = 1.0,
+        both_urls: Sequence[str] = (),
+        redis_url: str = "",
+        index_timeout_s: float = 0.1,
     ) -> None:
-        self.prefill = [NodeState(u, "prefill", NodeClient(u, http, cluster_token)) for u in prefill_urls]
-        self.decode = [NodeState(u, "decode", NodeClient(u, http, cluster_token)) for u in decode_urls]
+        def state(url: str, role: str, colocated: bool = False) -> NodeState:
+            return NodeState(url, role, NodeClient(url, http, cluster_token), colocated=colocated)
+
+        self.prefill = [state(u, "prefill") for u in prefill_urls]
+        self.decode = [state(u, "decode") for u in decode_urls]
+        self.decode += [state(u, "decode", colocated=True) for u in both_urls]
         self.policy = policy or LeastLoaded()
         self.poll_interval_s = poll_interval_s
+        self.redis_url = redis_url
+        self.index_timeout_s = index_timeout_s
+        self.index: PrefixIndex | None = None  # set up at start, once the model id is known
+        self.recent = RecentRoutes()
         self.reference: NodeInfo | None = None  # the info every node is checked against
         self._poller: asyncio.Task | None = None
 
@@ -175,10 +247,12 @@ class Router:
         """Wait for every node's info, check the cluster, start polling; raises ClusterError."""
         await self._fetch_all_info(timeout_s)
         self.check_cluster(model_id)
-        self.reference = self.prefill[0].info
+        self.reference = self.nodes[0].info
         for node in self.nodes:
             node.up = True
             node.load_time = time.monotonic()
+        if self.redis_url:
+            self.index = PrefixIndex(self.redis_url, self.reference.model_id, self.index_timeout_s)
         self._poller = asyncio.ensure_future(self._poll_forever())
 
     async def close(self) -> None:
@@ -186,6 +260,8 @@ class Router:
             self._poller.cancel()
             await asyncio.gather(self._poller, return_exceptions=True)
             self._poller = None
+        if self.index is not None:
+            await self.index.close()
 
     async def _fetch_all_info(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -231,6 +307,8 @@ class Router:
                 problems.append(
                     f"{node.url} is listed as a {node.role} node but reports role {node.info.role!r}"
                 )
+            if node.colocated and node.info.role != "both":
+                problems.append(f"{node.url} is listed as co-located but reports role {node.info.role!r}")
             if model_id is not None and node.info.model_id != model_id:
                 problems.append(
                     f"model_id: the proxy's --model gives {model_id!r} but {node.role} node {node.url} "
@@ -283,10 +361,39 @@ class Router:
     def mark_down(self, node: NodeState, error: str) -> None:
         if node.up:
             logger.warning("%s node %s is down: %s", node.role, node.url, error)
+            self.recent.forget(node.node_id)  # it may come back with an empty cache
         node.up = False
         node.last_error = error
 
     # -- routing -----------------------------------------------------------------------------
+
+    async def route(self, request_id: str, prompt_token_ids: Sequence[int]) -> RouteRequest:
+        """The request with its block-hash chain and what each node holds of it.
+
+        One prefix-index round trip, bounded by ``index_timeout_s``; on failure the request is
+        routed on load alone (``index="unavailable"``), never failed.
+        """
+        ref = self.reference
+        if ref is None:
+            return RouteRequest(request_id, prompt_token_ids)
+        hashes = hash_block_chain(prompt_token_ids, ref.block_size, ref.model_id)
+        cached: dict[str, int] = {}
+        state = "none"
+        elapsed = 0.0
+        if self.index is not None:
+            start = time.monotonic()
+            try:
+                cached = await self.index.lookup(hashes)
+                state = "ok"
+            except IndexUnavailable as e:
+                state = "unavailable"
+                logger.debug("prefix index unavailable: %s", e)
+            elapsed = time.monotonic() - start
+        if state == "ok":
+            for node in self.nodes:
+                node_id = node.node_id
+                cached[node_id] = max(cached.get(node_id, 0), self.recent.hits(node_id, hashes))
+        return RouteRequest(request_id, prompt_token_ids, hashes, cached, ref.block_size, state, elapsed)
 
     def rank(self, role: str, route: RouteRequest) -> list[NodeState]:
         """Candidates of ``role`` for this request, best first; empty when no node is usable."""

@@ -26,7 +26,12 @@ MAX_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def cluster(default_model_dir, tmp_path_factory):
-    cfg = ClusterConfig(port=free_port(), threads_per_node=1, log_dir=str(tmp_path_factory.mktemp("logs")))
+    cfg = ClusterConfig(
+        port=free_port(),
+        threads_per_node=1,
+        log_dir=str(tmp_path_factory.mktemp("logs")),
+        min_remote_prefill_tokens=0,  # every prompt through the prefill node
+    )
     c = LocalCluster(cfg, [], ModelConfig())
     try:
         c.start()

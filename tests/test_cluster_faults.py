@@ -33,7 +33,11 @@ MSGPACK = {"content-type": "application/msgpack"}
 @pytest.fixture(scope="module")
 def cluster(default_model_dir, tmp_path_factory):
     cfg = ClusterConfig(
-        port=free_port(), prefill_nodes=2, threads_per_node=1, log_dir=str(tmp_path_factory.mktemp("logs"))
+        port=free_port(),
+        prefill_nodes=2,
+        threads_per_node=1,
+        log_dir=str(tmp_path_factory.mktemp("logs")),
+        min_remote_prefill_tokens=0,
     )
     # Small steps so a long prompt takes several engine steps to prefill.
     c = LocalCluster(cfg, ["--max-num-batched-tokens", "128"], ModelConfig())

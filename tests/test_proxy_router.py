@@ -6,7 +6,7 @@ import httpx
 import pytest
 
 from pdserve.messages import NodeInfo, NodeLoad
-from proxy.router import ClusterError, LeastLoaded, RoundRobin, Router, RouteRequest, mismatches
+from proxy.router import ClusterError, LeastLoaded, PrefixAware, RoundRobin, Router, RouteRequest, mismatches
 
 
 def info(role: str, **kw) -> NodeInfo:
@@ -103,3 +103,49 @@ def test_round_robin_and_unavailable_nodes():
     assert r.rank("decode", route) == [d1]  # all down: try the compatible ones anyway
     d1.incompatible = "dtype"
     assert r.rank("decode", route) == []
+
+
+def test_prefix_aware_prefers_the_cached_node_until_its_queue_outweighs_the_prefix():
+    r = router([info("prefill", node_id="p0"), info("prefill", node_id="p1")], [info("decode")])
+    p0, p1 = r.prefill
+    prompt = list(range(1000))
+    route = RouteRequest("r", prompt, cached_blocks={"p1": 50}, block_size=16)  # p1 holds 800 tokens
+    policy = PrefixAware()
+    assert route.cached_tokens(p1) == 800 and route.cached_tokens(p0) == 0
+    assert policy.rank("prefill", r.prefill, route) == [p1, p0]
+    p1.inflight_prefill_tokens = 700  # 200 + 700 < 1000 + 0: still p1
+    assert policy.rank("prefill", r.prefill, route)[0] is p1
+    p1.load = NodeLoad(0, 3, 0, 10, 100, pending_prompt_tokens=900)  # polled backlog of all proxies
+    assert policy.rank("prefill", r.prefill, route)[0] is p0  # 200 + 900 > 1000: spread the prefix
+    # No index answer: least queued prompt tokens.
+    assert policy.rank("prefill", r.prefill, RouteRequest("r", prompt))[0] is p0
+
+
+def test_prefix_aware_decode_ranking_is_load_then_cached_prefix():
+    r = router([info("prefill")], [info("decode", node_id="d0"), info("decode", node_id="d1")])
+    d0, d1 = r.decode
+    route = RouteRequest("r", list(range(64)), cached_blocks={"d1": 3}, block_size=16)
+    policy = PrefixAware()
+    for _ in range(2):  # rotation does not override the cached prefix
+        assert policy.rank("decode", r.decode, route) == [d1, d0]
+    d1.num_inflight = 1
+    assert policy.rank("decode", r.decode, route) == [d0, d1]
+
+
+def test_conditional_disaggregation_plan():
+    from pdserve.metrics import Registry
+    from proxy.dispatch import Dispatcher
+
+    r = Router(["http://p0"], ["http://d0"], httpx.AsyncClient(), both_urls=["http://b0"])
+    for node, i in zip(r.nodes, [info("prefill"), info("decode", node_id="d0"), info("both", node_id="b0")]):
+        node.info, node.up = i, True
+    p0, (d0, b0) = r.prefill[0], r.decode
+    d = Dispatcher(r, Registry(), min_remote_prefill_tokens=64, policy_name="prefix-aware")
+    long_prompt = list(range(200))
+    assert d.plan_prefill(b0, RouteRequest("r", long_prompt)) == "colocated"
+    assert d.plan_prefill(d0, RouteRequest("r", long_prompt)) == ""  # remote prefill
+    assert d.plan_prefill(d0, RouteRequest("r", list(range(40)))) == "short_prompt"
+    held = RouteRequest("r", long_prompt, cached_blocks={"d0": 9}, block_size=16)  # 144 of 200 held
+    assert d.plan_prefill(d0, held) == "decode_holds_prefix"
+    p0.up = False
+    assert d.plan_prefill(d0, RouteRequest("r", long_prompt)) == "no_prefill_node"
