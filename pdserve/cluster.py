@@ -9,6 +9,7 @@ SIGTERM, or when any child dies.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shlex
 import shutil
@@ -51,6 +52,9 @@ class ClusterConfig:
     """The proxy's --routing."""
     min_remote_prefill_tokens: int = -1
     """The proxy's --min-remote-prefill-tokens; -1 leaves the proxy's default."""
+    gpus: str = ""
+    """Comma-separated CUDA device ids handed to the nodes in turn (CUDA_VISIBLE_DEVICES of each);
+    empty: every node sees what the launcher sees."""
     extra_node_flags: str = ""
     """More flags for every node, e.g. "--kv-transport zmq" (engine flags go directly)."""
     extra_proxy_flags: str = ""
@@ -63,6 +67,14 @@ class _Child:
     url: str
     log: Path
     proc: subprocess.Popen = field(repr=False)
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the launcher dies, even by SIGKILL (Linux only), so
+    a killed `pdserve up` or test run leaves no nodes behind."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -107,7 +119,9 @@ class LocalRedis:
         cmd = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1"]
         cmd += ["--save", "", "--appendonly", "no"]
         with open(self.log, "a") as f:
-            self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+            self.proc = subprocess.Popen(
+                cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent
+            )
         deadline = time.monotonic() + timeout_s
         while True:
             if self.proc.poll() is not None:
@@ -156,8 +170,20 @@ class LocalCluster:
         log = self.log_dir / f"{role}-{index}.log"
         command = [role] if role == "proxy" else ["node", "--role", role]
         cmd = [sys.executable, "-m", "pdserve", *command, *args]
+        env = None
+        gpus = [g.strip() for g in self.cfg.gpus.split(",") if g.strip()]
+        if gpus and role != "proxy":
+            num_nodes = sum(1 for c in self.children if not c.role.startswith("proxy"))
+            env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpus[num_nodes % len(gpus)]}
         with open(log, "w") as f:
-            proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+            proc = subprocess.Popen(
+                cmd,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env=env,
+                preexec_fn=_die_with_parent,
+            )
         child = _Child(f"{role}-{index}", f"http://127.0.0.1:{port}", log, proc)
         self.children.append(child)
         return child

@@ -193,7 +193,8 @@ class NodeConfig:
     kv_port: int = 0
     """KV receiver port; 0 picks a free one."""
     kv_transport: str = "auto"
-    """auto, zmq (nccl and nixl come with the GPU transfer work)."""
+    """auto (nixl > nccl > zmq on CUDA hosts, zmq on CPU-only ones), nixl, nccl, zmq, or a
+    comma-separated order of preference; each prefill-decode pair agrees on one at handshake."""
     kv_transfer_timeout_s: float = 30.0
     """Longest a prefill node waits for the decode node to ack a request's KV."""
     cluster_token: str = ""

@@ -221,11 +221,21 @@ class LLMEngine:
         return self.scheduler.kv.pool.take_events()
 
     def num_pending_prompt_tokens(self) -> int:
-        """Prompt tokens queued or running that are not computed yet (the node's prefill backlog)."""
+        """Prompt tokens queued or running that are not computed yet (the node's prefill backlog).
+
+        A queued prompt counts without the prefix its admission will find cached (looked up
+        once per request: the estimate for routing, not a promise).
+        """
         s = self.scheduler
-        return sum(
-            max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in (*s.waiting, *s.running)
-        )
+        pending = 0
+        for r in s.running:
+            pending += max(0, r.num_prompt_tokens - r.num_computed_tokens)
+        for r in s.waiting:
+            if r.num_computed_tokens == 0 and r.expected_cached_tokens < 0:
+                r.expected_cached_tokens = s.kv.get_computed_blocks(r)[1]
+            cached = max(r.num_computed_tokens, r.expected_cached_tokens)
+            pending += max(0, r.num_prompt_tokens - cached)
+        return pending
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -48,6 +48,7 @@ class NodeInfo(Message):
     kv_address: str  # where the node's KV transport listens ("" when it receives none)
     max_model_len: int
     vocab_size: int
+    kv_transports: list[str] = []  # the transports it accepts, preferred first; agreed per peer
 
 
 class NodeLoad(Message):

@@ -47,6 +47,7 @@ def node_info(engine: LLMEngine, node: NodeConfig, role: str, transport: str, kv
         kv_address=kv_address,
         max_model_len=engine.max_model_len,
         vocab_size=arch.vocab_size,
+        kv_transports=list(kv_transfer.transport_preferences(node.kv_transport)),
     )
 
 
@@ -174,6 +175,7 @@ class NodeState:
         self.loop: EngineLoop | None = None
         self.info: NodeInfo | None = None
         self.publisher: IndexPublisher | None = None
+        self.load: NodeLoad | None = None  # taken on the engine thread between steps
         self.metrics = NodeMetrics()
 
     @property
@@ -187,9 +189,12 @@ class NodeState:
         self.loop = EngineLoop(
             engine, asyncio.get_running_loop(), after_step=self._after_step, on_idle=self._on_idle
         )
+        # Services set up their ends with the unresolved choice (auto, or a preference list): the
+        # transport actually used is agreed with each peer at handshake.
+        addresses = [s.start(node.kv_transport) for s in self.services]
         transport = kv_transfer.resolve_transport(node.kv_transport)
-        addresses = [s.start(transport) for s in self.services]
         self.info = node_info(engine, node, self.role, transport, next((a for a in addresses if a), ""))
+        self.load = node_load(engine)
         if publish:
             url = f"http://{node.host}:{node.port}"
             self.publisher = IndexPublisher(
@@ -225,6 +230,8 @@ class NodeState:
         for service in self.services:
             service.on_idle()
         self._publish_block_events()
+        # A snapshot for /internal/load: answering a poll must not wait for a long step to end.
+        self.load = node_load(self.engine)
 
     def _publish_block_events(self) -> None:
         if self.publisher is not None:
@@ -286,7 +293,7 @@ def add_common_routes(app: FastAPI, state: NodeState) -> None:
     @app.get("/internal/load")
     async def load(request: Request):
         check_token(request, state.node.cluster_token)
-        return msgpack_response(await state.loop.call(node_load))
+        return msgpack_response(state.load)
 
     @app.post("/internal/abort")
     async def abort(request: Request):

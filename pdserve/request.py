@@ -64,6 +64,8 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1
     """Prompt tokens served from the prefix cache at first scheduling; -1 until then."""
+    expected_cached_tokens: int = -1
+    """While queued: the cached prefix its admission is expected to find (a routing estimate)."""
     num_preemptions: int = 0
     block_hashes: list[bytes] = field(default_factory=list)
     """Chained hashes of the request's full blocks, extended as tokens arrive (see hashing.py)."""

@@ -35,9 +35,8 @@ COMPAT_FIELDS = (
     "num_kv_heads",
     "head_dim",
     "kv_layout",
-    "kv_transport",
 )
-"""NodeInfo fields every prefill node must share with every decode node."""
+"""NodeInfo fields every prefill node must share with every decode node (and a KV transport)."""
 
 ROLES = {"prefill": ("prefill", "both"), "decode": ("decode", "both")}
 
@@ -47,8 +46,13 @@ class ClusterError(RuntimeError):
 
 
 def mismatches(a: NodeInfo, b: NodeInfo) -> list[tuple[str, object, object]]:
-    """The compatibility fields on which two nodes disagree, with both values."""
-    return [(f, getattr(a, f), getattr(b, f)) for f in COMPAT_FIELDS if getattr(a, f) != getattr(b, f)]
+    """The compatibility fields on which two nodes disagree, with both values; transports
+    disagree when the two nodes accept none in common."""
+    out = [(f, getattr(a, f), getattr(b, f)) for f in COMPAT_FIELDS if getattr(a, f) != getattr(b, f)]
+    ta, tb = a.kv_transports or [a.kv_transport], b.kv_transports or [b.kv_transport]
+    if not set(ta) & set(tb):
+        out.append(("kv_transports", ta, tb))
+    return out
 
 
 @dataclass(eq=False)

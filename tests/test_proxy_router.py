@@ -149,3 +149,11 @@ def test_conditional_disaggregation_plan():
     assert d.plan_prefill(d0, held) == "decode_holds_prefix"
     p0.up = False
     assert d.plan_prefill(d0, RouteRequest("r", long_prompt)) == "no_prefill_node"
+
+
+def test_transports_must_overlap_not_match():
+    a = info("prefill", kv_transports=["nixl", "zmq"])
+    assert mismatches(a, info("decode", kv_transports=["zmq"])) == []
+    assert mismatches(a, info("decode", kv_transports=["nccl"])) == [
+        ("kv_transports", ["nixl", "zmq"], ["nccl"])
+    ]

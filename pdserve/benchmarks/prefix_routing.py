@@ -156,7 +156,7 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--prefixes", type=int, default=8, help="distinct long system prompts")
     p.add_argument("--questions", type=int, default=16, help="questions per system prompt")
-    p.add_argument("--system-words", type=int, default=400, help="words per system prompt")
+    p.add_argument("--system-words", type=int, default=800, help="words per system prompt")
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--prefill-nodes", type=int, default=2)

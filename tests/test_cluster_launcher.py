@@ -1,0 +1,66 @@
+"""`pdserve up` as a process: a launcher killed with SIGKILL takes its nodes and proxy with it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from pdserve.cluster import free_port
+
+
+def children_of(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_killed_launcher_leaves_no_processes(tmp_path):
+    port = free_port()
+    up = subprocess.Popen(
+        [sys.executable, "-m", "pdserve", "up", "--port", str(port), "--model", "random:tiny"]
+        + ["--threads-per-node", "1", "--redis-url", "none", "--log-dir", str(tmp_path)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert up.poll() is None, "pdserve up exited"
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "cluster did not come up"
+            time.sleep(0.5)
+        kids = children_of(up.pid)
+        assert len(kids) == 3  # prefill, decode, proxy
+        os.kill(up.pid, signal.SIGKILL)
+        up.wait()
+        deadline = time.monotonic() + 20
+        while any(alive(k) for k in kids):
+            assert time.monotonic() < deadline, f"left behind: {[k for k in kids if alive(k)]}"
+            time.sleep(0.2)
+    finally:
+        if up.poll() is None:
+            up.kill()
