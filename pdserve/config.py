@@ -198,7 +198,8 @@ class NodeConfig:
     kv_transfer_timeout_s: float = 30.0
     """Longest a prefill node waits for the decode node to ack a request's KV."""
     cluster_token: str = ""
-    """Shared secret required on internal APIs and KV messages; empty disables the check."""
+    """Shared secret required on internal APIs and KV messages (default: $PDSERVE_CLUSTER_TOKEN);
+    empty disables the check."""
     node_id: str = ""
     """Name in logs and handshakes; empty means role@host:port."""
     redis_url: str = ""
@@ -208,6 +209,8 @@ class NodeConfig:
     (heartbeats go out every third of it)."""
 
     def __post_init__(self) -> None:
+        if not self.cluster_token:
+            object.__setattr__(self, "cluster_token", envs.PDSERVE_CLUSTER_TOKEN)
         if self.role not in NODE_ROLES:
             raise ValueError(f"unknown node role {self.role!r}; choose one of {', '.join(NODE_ROLES)}")
         if self.heartbeat_ttl_s <= 0:

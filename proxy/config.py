@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pdserve import envs
 from pdserve.config import DEFAULT_MODEL
 
 
@@ -51,7 +52,7 @@ class ProxyConfig:
     request_timeout_s: float = 600.0
     """Every request ends, with output or an error, within this many seconds."""
     cluster_token: str = ""
-    """Bearer token of the nodes' internal API; empty when the cluster uses none."""
+    """Bearer token of the nodes' internal API (default: $PDSERVE_CLUSTER_TOKEN); empty: none."""
     api_key: str = ""
     """If set, clients must send `Authorization: Bearer <api_key>` to /v1/*."""
     routing: str = "prefix-aware"
@@ -74,6 +75,8 @@ class ProxyConfig:
     """How long start-up waits for every node to answer /internal/info."""
 
     def __post_init__(self) -> None:
+        if not self.cluster_token:
+            object.__setattr__(self, "cluster_token", envs.PDSERVE_CLUSTER_TOKEN)
         object.__setattr__(self, "prefill_urls", _normalize_urls(self.prefill_urls, "prefill"))
         object.__setattr__(self, "decode_urls", _normalize_urls(self.decode_urls, "decode"))
         object.__setattr__(self, "both_urls", _normalize_urls(self.both_urls, "co-located"))

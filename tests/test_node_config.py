@@ -1,0 +1,33 @@
+"""Node and proxy configuration: roles, the cluster token from the environment, URL lists."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve import envs
+from pdserve.config import NodeConfig
+from pdserve.prefix_index import redacted
+from proxy.config import ProxyConfig
+
+
+def test_cluster_token_from_the_environment(monkeypatch):
+    monkeypatch.setattr(envs, "PDSERVE_CLUSTER_TOKEN", "from-env")
+    assert NodeConfig().cluster_token == "from-env"
+    assert NodeConfig(cluster_token="flag").cluster_token == "flag"
+    assert ProxyConfig(decode_urls=("d:1",)).cluster_token == "from-env"
+
+
+def test_roles_and_url_lists():
+    with pytest.raises(ValueError, match="unknown node role"):
+        NodeConfig(role="router")
+    with pytest.raises(ValueError, match="at least one decode or co-located"):
+        ProxyConfig(prefill_urls=("p:1",))
+    with pytest.raises(ValueError, match="listed as decode and as co-located"):
+        ProxyConfig(decode_urls=("n:1",), both_urls=("n:1",))
+    cfg = ProxyConfig(prefill_urls=("b:1",), both_urls=("b:1",))  # a both node may also prefill for others
+    assert cfg.both_urls == ("http://b:1",) and cfg.prefill_urls == ("http://b:1",)
+
+
+def test_redis_password_is_masked_in_logs():
+    assert redacted("redis://:secret@10.0.0.1:6379/0") == "redis://:***@10.0.0.1:6379/0"
+    assert redacted("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
