@@ -15,8 +15,9 @@ The API has two halves.
   frame for it) and only then frees the blocks. Blocks are therefore never written
   after they were freed, and a request never runs on partial KV.
 * Who frees: the decode node frees what it reserved (on finish, abort or expiry);
-  the prefill node frees its own blocks once the transport has copied them out
-  (``Scheduler.release_held``), or keeps them as prefix cache.
+  the prefill node frees its own blocks once the send's future has resolved, either way (the
+  transport may read them in place until then: ``Scheduler.release_held``), or keeps them as
+  prefix cache.
 
 **Worker side** (the backends; they move bytes and never touch scheduler state):
 
@@ -25,17 +26,18 @@ The API has two halves.
   reservation table (sizes, ids, layer ranges), and reports commits.
 * ``KVSender`` (prefill): ``register_kv_cache`` once; ``handshake`` with a peer at
   first contact (mismatched model, dtype, block size, layout or shapes are refused
-  then, with an error naming the field); ``send`` copies a request's blocks to the
+  then, with an error naming the field); ``send`` moves a request's blocks into the
   peer's reserved blocks and returns a future that resolves when the peer acked the
-  commit, or fails with a clear error on timeout or a dead peer.
+  commit, or fails with a clear error on timeout or a dead peer. The caller keeps the source
+  blocks unchanged until then.
 
 Backends (``kv_transfer/<name>_backend.py``): every one speaks the same control protocol on a
 ZeroMQ connection (handshake, transport set-up, renewals, commits: ``zmq_backend``) and moves
 the blocks on its own data plane:
 
 * ``zmq``: CPU-staged frames on that connection; runs everywhere.
-* ``nixl``: the decode node READs the blocks by descriptor from the prefill node's registered
-  staging arena (UCX; VRAM on GPUs, DRAM on the CPU).
+* ``nixl``: the decode node READs the blocks in place, by descriptor, out of the prefill node's
+  registered KV cache into its own (UCX; VRAM on GPUs, DRAM on the CPU): no copy on either side.
 * ``nccl``: send/recv on a communicator per prefill-decode pair (torch.distributed's NCCL
   backend for CUDA caches, gloo for CPU caches: one code path), on its own CUDA stream.
 
@@ -154,13 +156,10 @@ def create_receiver(
 def create_sender(
     name: str,
     cluster_token: str = "",
-    staging_bytes: int = 0,
     ucx_net_devices: str = "",
     ucx_tls: str = "",
 ) -> KVSender:
-    """A prefill-side sender offering ``name``'s transports in order (see ``transport_preferences``).
-
-    ``staging_bytes``: nixl's registered staging arena (default: min(1 GiB, a quarter of the cache))."""
+    """A prefill-side sender offering ``name``'s transports in order (see ``transport_preferences``)."""
     from kv_transfer.zmq_backend import ZmqSender
 
     names = transport_preferences(name)
@@ -168,7 +167,7 @@ def create_sender(
     if "nixl" in names:
         from kv_transfer.nixl_backend import NixlSenderPlane
 
-        planes.append(NixlSenderPlane(staging_bytes, ucx_net_devices=ucx_net_devices, ucx_tls=ucx_tls))
+        planes.append(NixlSenderPlane(ucx_net_devices=ucx_net_devices, ucx_tls=ucx_tls))
     if "nccl" in names:
         from kv_transfer.nccl_backend import NcclSenderPlane
 

@@ -242,12 +242,15 @@ class KVSender(ABC):
         commit: KVCommit | None,
         timeout: float,
     ) -> Future[KVAck | None]:
-        """Copy the blocks out of the local cache now (the caller may free them once this returns),
-        then deliver them. Without a commit, more blocks of the request follow in later calls (a
-        prompt sent chunk by chunk while it is computed) and the future resolves to None once
-        the frames are out; with one, the future resolves to the peer's ack after it checked that
-        every block of the reservation landed. Failures raise ``KVTransferError``; blocks of a
-        failed partial send make the final commit fail, so partial KV is never used."""
+        """Deliver the blocks ``src_block_ids`` of the local cache into the peer's reserved
+        ``dst_block_ids``. The caller keeps the source blocks unchanged until the future resolves,
+        either way: a transport may read them in place (nixl) rather than copy them out here (zmq,
+        nccl). Without a commit, more blocks of the request follow in later calls (a prompt sent
+        chunk by chunk while it is computed) and the future resolves to None once the blocks are
+        out (for nixl: read by the peer); with one, it resolves to the peer's ack after it checked
+        that every block of the reservation landed. Failures raise ``KVTransferError``; blocks of a
+        failed partial send make the final commit fail, and a request whose send failed is never
+        committed, so partial KV (or bytes read from blocks reused after a failure) is never used."""
 
     @abstractmethod
     def close(self) -> None: ...
@@ -300,7 +303,7 @@ class SenderPlane(ABC):
 
     @abstractmethod
     def stage(self, kv: torch.Tensor, block_ids: Sequence[int]) -> Staged:
-        """Copy blocks out of the cache now, on the caller's thread, in the form ``deliver`` wants."""
+        """On the caller's thread: the blocks in the form ``deliver`` wants (a copy, or their ids)."""
 
     @abstractmethod
     def connect(self, peer, setup, reply, deadline: float) -> SenderSession:
@@ -321,15 +324,17 @@ class SenderSession(ABC):
 
 @dataclass
 class Staged:
-    """Blocks copied out of a sender's cache: ``tensor`` is [L, n, 2, BS, Hkv, D].
+    """A send's source blocks as its transport moves them: ``tensor`` [L, n, 2, BS, Hkv, D] when
+    copied out of the cache (zmq, nccl; None for nixl, which reads ``block_ids`` in place).
 
-    On CUDA the copy runs in layer chunks, each followed by an event, so a transport can start
-    moving the first layers while the last ones are still being gathered."""
+    On CUDA, ``ready`` holds events after which layers are readable: the copy runs in layer chunks,
+    each followed by an event, so a transport can start moving the first layers while the last
+    ones are still being gathered; an in-place send has one event, recorded after the kernels
+    that wrote the blocks."""
 
-    tensor: torch.Tensor
+    tensor: torch.Tensor | None
+    block_ids: list[int] = field(default_factory=list)
     ready: list[tuple[int, object]] = field(default_factory=list)  # (layer end, CUDA event), in order
-    slot_start: int = -1  # where ``tensor`` sits in a registered staging arena (-1: not in one)
-    release: Callable[[], None] | None = None  # gives the arena slots back; the sender calls it once
 
     def event(self, layer_end: int | None = None):
         """The event after which layers [0, layer_end) (default: all) are staged; None on the CPU."""
@@ -355,23 +360,31 @@ def layer_chunks(num_layers: int, bytes_per_layer: int, chunk_bytes: int) -> lis
     return [(i, min(i + step, num_layers)) for i in range(0, num_layers, step)]
 
 
-def stage_blocks(kv: torch.Tensor, block_ids: Sequence[int], out: torch.Tensor | None = None) -> Staged:
-    """Gather ``block_ids`` of every layer into ``out`` (or a new tensor) on the cache's device."""
+def stage_blocks(kv: torch.Tensor, block_ids: Sequence[int]) -> Staged:
+    """Gather ``block_ids`` of every layer into a new tensor on the cache's device."""
     idx = torch.tensor(list(block_ids), dtype=torch.long, device=kv.device)
     if not kv.is_cuda:
-        if out is None:
-            return Staged(kv.index_select(1, idx))
-        torch.index_select(kv, 1, idx, out=out)
-        return Staged(out)
+        return Staged(kv.index_select(1, idx), list(block_ids))
     from kernels.block_copy import gather_blocks
 
-    if out is None:
-        out = kv.new_empty((kv.shape[0], len(idx), *kv.shape[2:]))
-    staged = Staged(out)
+    out = kv.new_empty((kv.shape[0], len(idx), *kv.shape[2:]))
+    staged = Staged(out, list(block_ids))
     bytes_per_layer = out[0].numel() * out.element_size()
     for start, end in layer_chunks(kv.shape[0], bytes_per_layer, STAGE_CHUNK_BYTES):
         gather_blocks(kv[start:end], idx, out=out[start:end])
         event = torch.cuda.Event()
         event.record()
         staged.ready.append((end, event))
+    return staged
+
+
+def in_place(kv: torch.Tensor, block_ids: Sequence[int]) -> Staged:
+    """The blocks left where they are, for a transport that reads them out of the registered cache;
+    on CUDA with an event after the work queued so far on the current stream (what wrote them)."""
+    staged = Staged(None, list(block_ids))
+    if kv.is_cuda:
+        with torch.cuda.device(kv.device):
+            event = torch.cuda.Event()
+            event.record()
+        staged.ready.append((kv.shape[0], event))
     return staged

@@ -1,11 +1,12 @@
-"""The NIXL KV transport: the decode node READs staged blocks out of the prefill node's memory.
+"""The NIXL KV transport: the decode node READs the blocks straight out of the prefill node's KV cache.
 
-Memory is registered with NIXL's UCX backend once per node: the decode node registers its
-whole KV cache, the prefill node a staging arena of slots (VRAM on a GPU, DRAM on the CPU).
-A slot holds one (layer, block) region, ``[2, BS, Hkv, D]``, which is contiguous in the cache
-too, so a transfer is a list of region descriptors; the lists for every cache region and every
-slot of a peer are prepared once (``prep_xfer_dlist``) and a transfer picks them by index
-(``make_prepped_xfer``; NIXL merges neighbours).
+Both nodes register their whole KV cache with NIXL's UCX backend once (VRAM on a GPU, DRAM on the
+CPU) and exchange its base address and shape at set-up (``KVSetup``/``KVSetupReply``). In a cache
+``[L, NB, 2, BS, Hkv, D]`` the (layer, block) slab ``[2, BS, Hkv, D]`` is contiguous, at offset
+``(layer * NB + block) * slab bytes``, so a request is a list of (source slab, destination slab)
+pairs; runs of pairs consecutive on both sides (adjacent block ids, or the last block of a layer
+followed by the first of the next) become one descriptor (``coalesce``), and each send is one
+READ of those descriptors. Nothing is copied on either side.
 
 **READ by the decode node, not WRITE by the prefill node.** The decode node owns the
 destination blocks and their lease. It starts each READ only after pinning the reservation
@@ -13,23 +14,24 @@ destination blocks and their lease. It starts each READ only after pinning the r
 a deadline, then cancelled), so no byte lands in blocks after they were freed. With WRITE the
 decode node could not stop a prefill node whose lease ran out mid-transfer short of
 deregistering its whole cache: late bytes would land in blocks already given to another
-request. The prefill side pays nothing extra for this: its caller frees the source blocks as
-soon as ``send`` returns, so every backend stages them (one device copy, here straight into
-arena slots when there is room), and a slot stays untouched until its READ is reported done.
+request.
 
-Per chunk (control messages in ``kv_transfer/wire.py`` on the zmq control connection):
+**The source blocks stay put until the READ is over.** ``send``'s future resolves only after the
+decode node reported the READ done (or failed), and the prefill node keeps the blocks until then.
+If the sender gives up first (its deadline, a dead peer), it never sends that request's commit:
+a READ still running can then only bring bytes of reused blocks into a reservation that is never
+committed.
 
-1. prefill: blocks staged in arena slots;
-2. prefill -> decode ``KVReady`` (request id, transfer id, destination blocks, layers, slots);
-3. decode: pin, READ into the reserved blocks, poll until done, failed or past its deadline
-   (then cancel), unpin;
+Per send (control messages in ``kv_transfer/wire.py`` on the zmq control connection):
+
+1. prefill: wait for the kernels that wrote the blocks (CUDA: an event recorded by ``send``);
+2. prefill -> decode ``KVReady`` (request id, transfer id, source and destination block ids);
+3. decode: validate, pin, one READ of every layer of those blocks, poll until done, failed or
+   past its deadline (then cancel), unpin;
 4. decode -> prefill a NIXL notification ``KVReadDone`` with the request and transfer ids (and
-   the error, if any): the prefill node frees the slots;
-5. after the last chunk's notification the commit goes on the control connection.
-
-A chunk that fails or times out fails its request on the prefill side: the commit is never
-sent, so its slots can be reused at once (a late READ can only put wrong bytes into blocks of
-a request that will never run).
+   the error, if any): the send is over;
+5. with a commit, it goes on the control connection next and is acked once the lease table
+   found every block of the reservation landed.
 
 Agent metadata is exchanged inside ``KVSetup``/``KVSetupReply`` on the authenticated control
 connection, whose handshake is resent until the listener answers, rather than through NIXL's
@@ -41,16 +43,13 @@ that wait on transfers and notifications progress UCX as they poll.
 
 from __future__ import annotations
 
-import bisect
 import contextlib
-import functools
 import itertools
 import logging
 import os
 import queue
 import threading
 import time
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -64,7 +63,7 @@ from kv_transfer.base import (
     SenderPlane,
     SenderSession,
     Staged,
-    stage_blocks,
+    in_place,
 )
 from kv_transfer.wire import KVReadDone, KVReady, KVSetup, KVSetupReply
 from kv_transfer.zmq_backend import valid_block_ids
@@ -72,15 +71,13 @@ from pdserve.messages import decode, encode
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_STAGING_BYTES = 1 << 30
-"""Arena cap: at most this, and at most a quarter of the KV cache (a chunk that does not fit
-is staged in plain memory and copied into the arena as slots free up)."""
-PIECE_BYTES = 64 << 20
-"""Largest READ: bounds how long a lease release may wait for a READ in flight."""
+MAX_DESC_BYTES = 0
+"""Longest descriptor of a READ (a multiple of the slab size; 0: runs are never cut). Cutting
+long runs lets UCX move pieces of one READ on several lanes where the transport has them."""
 MAX_READ_S = 10.0
-"""A READ still running after this long is cancelled (a piece takes milliseconds on any sane link);
+"""A READ still running after this long is cancelled (it takes milliseconds on any sane link);
 it bounds how long the engine thread's ``ReservationTable.release`` can wait."""
-POLL_S = 0.0002
+POLL_S = 0.0001
 
 
 def nixl_available() -> bool:
@@ -92,6 +89,8 @@ def nixl_available() -> bool:
 
 
 def _agent(role: str, ucx_net_devices: str, ucx_tls: str):
+    import uuid
+
     from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
     if ucx_tls:
@@ -117,51 +116,47 @@ def _device_id(t: torch.Tensor) -> int:
     return max(t.get_device(), 0)
 
 
-def _regions(base: int, region_bytes: int, count: int, device: int) -> np.ndarray:
-    """[count, 3] descriptors (address, length, device) of ``count`` back-to-back regions."""
-    descs = np.empty((count, 3), dtype=np.uint64)
-    descs[:, 0] = base + np.arange(count, dtype=np.uint64) * np.uint64(region_bytes)
-    descs[:, 1] = region_bytes
+def _slab_bytes(kv: torch.Tensor) -> int:
+    return kv[0, 0].numel() * kv.element_size()
+
+
+def coalesce(
+    src_block_ids: Sequence[int],
+    dst_block_ids: Sequence[int],
+    num_layers: int,
+    src_num_blocks: int,
+    dst_num_blocks: int,
+    slab_bytes: int,
+    max_bytes: int = 0,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Byte offsets in the source cache, in the destination cache, and lengths of the descriptors
+    that move every layer of ``src_block_ids[i]`` into ``dst_block_ids[i]`` (caches laid out
+    [L, NB, 2, BS, Hkv, D], each with its own NB). Slabs consecutive in both caches share one
+    descriptor, which ``max_bytes`` (if set) caps."""
+    layers = np.arange(num_layers, dtype=np.int64)[:, None]
+    # Slab index layer * NB + block, layer-major, so a run may continue into the next layer.
+    src = (layers * src_num_blocks + np.asarray(src_block_ids, dtype=np.int64)[None, :]).reshape(-1)
+    dst = (layers * dst_num_blocks + np.asarray(dst_block_ids, dtype=np.int64)[None, :]).reshape(-1)
+    breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
+    starts = np.concatenate(([0], breaks))
+    counts = np.diff(np.concatenate((starts, [len(src)])))
+    cap = max(1, max_bytes // slab_bytes) if max_bytes else 0
+    if cap and counts.max() > cap:  # cut long runs into pieces of ``cap`` slabs
+        pieces = -(-counts // cap)
+        first = np.repeat(starts, pieces)
+        k = np.arange(len(first)) - np.repeat(np.cumsum(pieces) - pieces, pieces)  # piece number in run
+        starts = first + k * cap
+        counts = np.minimum(np.repeat(counts, pieces) - k * cap, cap)
+    return src[starts] * slab_bytes, dst[starts] * slab_bytes, counts * slab_bytes
+
+
+def _descs(base: int, offsets: np.ndarray, lengths: np.ndarray, device: int) -> np.ndarray:
+    """[n, 3] NIXL descriptors (address, length, device)."""
+    descs = np.empty((len(offsets), 3), dtype=np.uint64)
+    descs[:, 0] = offsets.astype(np.uint64) + np.uint64(base)
+    descs[:, 1] = lengths
     descs[:, 2] = device
     return descs
-
-
-class SlotArena:
-    """First-fit allocator of runs of consecutive slots (thread-safe)."""
-
-    def __init__(self, num_slots: int) -> None:
-        self.num_slots = num_slots
-        self._free: list[tuple[int, int]] = [(0, num_slots)]  # (start, count), sorted, never adjacent
-        self._lock = threading.Lock()
-
-    @property
-    def num_free(self) -> int:
-        with self._lock:
-            return sum(count for _, count in self._free)
-
-    def alloc(self, count: int) -> int | None:
-        with self._lock:
-            for i, (start, size) in enumerate(self._free):
-                if size >= count:
-                    if size == count:
-                        del self._free[i]
-                    else:
-                        self._free[i] = (start + count, size - count)
-                    return start
-        return None
-
-    def free(self, start: int, count: int) -> None:
-        with self._lock:
-            i = bisect.bisect(self._free, (start, count))
-            assert (i == 0 or sum(self._free[i - 1]) <= start) and (
-                i == len(self._free) or start + count <= self._free[i][0]
-            ), f"slots [{start}, {start + count}) freed twice"
-            self._free.insert(i, (start, count))
-            if i + 1 < len(self._free) and start + count == self._free[i + 1][0]:
-                self._free[i] = (start, count + self._free.pop(i + 1)[1])
-            if i > 0 and sum(self._free[i - 1]) == start:
-                prev = self._free[i - 1]
-                self._free[i - 1] = (prev[0], prev[1] + self._free.pop(i)[1])
 
 
 # -- decode side ---------------------------------------------------------------------------------
@@ -169,9 +164,13 @@ class SlotArena:
 
 @dataclass
 class _Remote:
-    agent: str  # the sender's agent name
-    slots: object  # its arena's prepared descriptor list
-    num_slots: int
+    """A sender's registered cache."""
+
+    agent: str  # its NIXL agent name
+    address: int
+    num_blocks: int
+    device: int
+    mem: str  # DRAM | VRAM
 
 
 @dataclass
@@ -191,7 +190,7 @@ class NixlReceiverPlane(ReceiverPlane):
         super().__init__()
         self.ucx_net_devices = ucx_net_devices
         self.ucx_tls = ucx_tls
-        self._remotes: dict[str, _Remote] = {}  # sender agent -> its arena (kept across reconnects)
+        self._remotes: dict[str, _Remote] = {}  # sender agent -> its cache (kept across reconnects)
         self._sessions: dict[bytes, _Remote] = {}
         self._lock = threading.Lock()
         self._jobs: queue.Queue = queue.Queue()
@@ -202,24 +201,21 @@ class NixlReceiverPlane(ReceiverPlane):
     def start(self, kv: torch.Tensor, table: ReservationTable, outbox, on_commit, host: str) -> None:
         self.kv, self.table = kv, table
         self.num_layers, self.num_blocks = kv.shape[0], kv.shape[1]
-        self.region_bytes = kv[0, 0].numel() * kv.element_size()
+        self.slab_bytes = _slab_bytes(kv)
         with _on_device(kv):
             self.agent = _agent("decode", self.ucx_net_devices, self.ucx_tls)
             self._registered = self.agent.register_memory(kv)  # the whole cache, once
-        regions = _regions(
-            kv.data_ptr(), self.region_bytes, self.num_layers * self.num_blocks, _device_id(kv)
-        )
-        self._local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", regions, _mem_type(kv))
         self._thread = threading.Thread(target=self._run, name="kv-nixl-reader", daemon=True)
         self._thread.start()
 
     def setup(self, peer: bytes, msg: KVSetup) -> KVSetupReply:
-        address, slot_bytes, num_slots, device = msg.nixl_arena
-        if not msg.nixl_metadata or num_slots <= 0:
-            return KVSetupReply(ok=False, error="the sender offered nixl without agent metadata")
-        if slot_bytes != self.region_bytes:
+        address, num_layers, num_blocks, slab_bytes, device = msg.nixl_cache
+        if not msg.nixl_metadata or not address or num_blocks <= 0:
+            return KVSetupReply(ok=False, error="the sender offered nixl without agent metadata and cache")
+        if (num_layers, slab_bytes) != (self.num_layers, self.slab_bytes):
             error = (
-                f"nixl staging slots of {slot_bytes} bytes; this node's KV regions have {self.region_bytes}"
+                f"nixl KV layout mismatch: the sender's cache has {num_layers} layers of {slab_bytes}-byte "
+                f"block slabs, this node's {self.num_layers} of {self.slab_bytes}"
             )
             return KVSetupReply(ok=False, error=error)
         with self._lock:
@@ -227,10 +223,8 @@ class NixlReceiverPlane(ReceiverPlane):
             if remote is None:
                 name = self.agent.add_remote_agent(msg.nixl_metadata)
                 name = name.decode() if isinstance(name, bytes) else name
-                slots = self.agent.prep_xfer_dlist(
-                    name, _regions(address, slot_bytes, num_slots, device), msg.nixl_mem
-                )
-                remote = self._remotes[msg.nixl_agent] = _Remote(name, slots, num_slots)
+                remote = _Remote(name, address, num_blocks, device, msg.nixl_mem)
+                self._remotes[msg.nixl_agent] = remote
                 self.agent.make_connection(name)  # now, rather than at the first READ
             self._sessions[peer] = remote
         metadata = self.agent.get_agent_metadata()
@@ -284,37 +278,49 @@ class NixlReceiverPlane(ReceiverPlane):
                     inflight.remove(read)
             time.sleep(POLL_S)
 
-    def _start(self, remote: _Remote | None, msg: KVReady, inflight: list[_Read]) -> None:
-        num_layers, n = msg.layer_end - msg.layer_start, len(msg.block_ids)
+    def _refusal(self, remote: _Remote | None, msg: KVReady) -> str:
         if remote is None:
-            error = "KVReady on a connection without a nixl session"
-        elif not valid_block_ids(msg.block_ids, self.num_blocks):
-            error = "KVReady names invalid or repeated block ids"
-        elif num_layers <= 0 or msg.slot_start < 0 or msg.slot_start + num_layers * n > remote.num_slots:
-            error = f"KVReady names slots outside the sender's arena of {remote.num_slots}"
-        else:
-            error = self.table.begin(msg.request_id, msg.block_ids, msg.layer_start, msg.layer_end)
+            return "KVReady on a connection without a nixl session"
+        if len(msg.src_block_ids) != len(msg.dst_block_ids):
+            return f"KVReady names {len(msg.src_block_ids)} source blocks for {len(msg.dst_block_ids)}"
+        if not valid_block_ids(msg.src_block_ids, remote.num_blocks):
+            return f"KVReady names source blocks outside the sender's cache of {remote.num_blocks}"
+        if not valid_block_ids(msg.dst_block_ids, self.num_blocks):
+            return "KVReady names invalid or repeated block ids"
+        return self.table.begin(msg.request_id, msg.dst_block_ids, 0, self.num_layers)
+
+    def _start(self, remote: _Remote | None, msg: KVReady, inflight: list[_Read]) -> None:
+        error = self._refusal(remote, msg)
         if error:
             self.table.fail(msg.request_id, error)
             self._notify(remote, msg, error)
             return
-        # Local region (layer, block) is descriptor layer * NB + block; remote slots are layer-major.
-        layers = np.arange(msg.layer_start, msg.layer_end, dtype=np.int64)[:, None]
-        local = (layers * self.num_blocks + np.asarray(msg.block_ids, dtype=np.int64)[None, :]).reshape(-1)
-        remote_idx = np.arange(msg.slot_start, msg.slot_start + num_layers * n, dtype=np.int64)
+        src, dst, lengths = coalesce(
+            msg.src_block_ids,
+            msg.dst_block_ids,
+            self.num_layers,
+            remote.num_blocks,
+            self.num_blocks,
+            self.slab_bytes,
+            MAX_DESC_BYTES,
+        )
         try:
-            handle = self.agent.make_prepped_xfer(
-                "READ", self._local, local.astype(np.int32), remote.slots, remote_idx.astype(np.int32)
-            )
+            kv = self.kv
+            local = _descs(kv.data_ptr(), dst, lengths, _device_id(kv))
+            local = self.agent.get_xfer_descs(local, _mem_type(kv))
+            source = _descs(remote.address, src, lengths, remote.device)
+            source = self.agent.get_xfer_descs(source, remote.mem)
+            handle = self.agent.initialize_xfer("READ", local, source, remote.agent)
             if self.agent.transfer(handle) == "ERR":
+                handle.release()
                 raise RuntimeError("the transfer was refused")
         except Exception as e:
             error = f"NIXL READ could not start: {e}"
-            self.table.end(msg.request_id, msg.block_ids, msg.layer_start, msg.layer_end, error)
+            self.table.end(msg.request_id, msg.dst_block_ids, 0, self.num_layers, error)
             self._notify(remote, msg, error)
             return
         deadline = time.monotonic() + min(max(msg.timeout_s, 0.0), MAX_READ_S)
-        inflight.append(_Read(handle, remote, msg, deadline, num_layers * n * self.region_bytes))
+        inflight.append(_Read(handle, remote, msg, deadline, int(lengths.sum())))
 
     def _poll(self, read: _Read) -> bool:
         """Check one READ; True once it is over (and unpinned)."""
@@ -331,7 +337,7 @@ class NixlReceiverPlane(ReceiverPlane):
                 return False
         msg = read.msg
         error = {"DONE": "", "PROC": "NIXL READ timed out"}.get(state, "NIXL READ failed (peer gone?)")
-        self.table.end(msg.request_id, msg.block_ids, msg.layer_start, msg.layer_end, error)
+        self.table.end(msg.request_id, msg.dst_block_ids, 0, self.num_layers, error)
         if not error:
             self.bytes_received += read.nbytes
         self._notify(read.remote, msg, error)
@@ -353,8 +359,7 @@ class NixlReceiverPlane(ReceiverPlane):
 class NixlSenderPlane(SenderPlane):
     name = "nixl"
 
-    def __init__(self, staging_bytes: int = 0, ucx_net_devices: str = "", ucx_tls: str = "") -> None:
-        self.staging_bytes = staging_bytes
+    def __init__(self, ucx_net_devices: str = "", ucx_tls: str = "") -> None:
         self.ucx_net_devices = ucx_net_devices
         self.ucx_tls = ucx_tls
         self._xfer_ids = itertools.count(1)
@@ -364,40 +369,21 @@ class NixlSenderPlane(SenderPlane):
 
     def register(self, kv: torch.Tensor) -> None:
         self.kv = kv
-        self.slot_bytes = kv[0, 0].numel() * kv.element_size()
-        cache_bytes = kv.numel() * kv.element_size()
-        staging = self.staging_bytes or min(DEFAULT_STAGING_BYTES, cache_bytes // 4)
-        num_slots = max(kv.shape[0], staging // self.slot_bytes)  # at least one block of every layer
-        self.arena = torch.empty((num_slots, *kv.shape[2:]), dtype=kv.dtype, device=kv.device)
-        self.slots = SlotArena(num_slots)
         with _on_device(kv):
             self.agent = _agent("prefill", self.ucx_net_devices, self.ucx_tls)
-            self._registered = self.agent.register_memory(self.arena)
-        self.stream = torch.cuda.Stream(kv.device) if kv.is_cuda else None
+            self._registered = self.agent.register_memory(kv)  # the whole cache, once
 
     def setup_fields(self) -> dict:
+        kv = self.kv
         return {
             "nixl_agent": self.agent.name,
             "nixl_metadata": self.agent.get_agent_metadata(),
-            "nixl_arena": (
-                self.arena.data_ptr(),
-                self.slot_bytes,
-                self.slots.num_slots,
-                _device_id(self.arena),
-            ),
-            "nixl_mem": _mem_type(self.arena),
+            "nixl_cache": (kv.data_ptr(), kv.shape[0], kv.shape[1], _slab_bytes(kv), _device_id(kv)),
+            "nixl_mem": _mem_type(kv),
         }
 
     def stage(self, kv: torch.Tensor, block_ids: Sequence[int]) -> Staged:
-        num_layers, n = kv.shape[0], len(block_ids)
-        start = self.slots.alloc(num_layers * n)
-        if start is None:  # the arena is busy: stage in plain memory, copied in as slots free up
-            return stage_blocks(kv, block_ids)
-        out = self.arena[start : start + num_layers * n].view(num_layers, n, *kv.shape[2:])
-        staged = stage_blocks(kv, block_ids, out=out)
-        staged.slot_start = start
-        staged.release = functools.partial(self.slots.free, start, num_layers * n)
-        return staged
+        return in_place(kv, block_ids)  # the peer reads them out of the registered cache
 
     def connect(self, peer, setup: KVSetup, reply: KVSetupReply, deadline: float) -> NixlSession:
         with self._notif_lock:
@@ -407,7 +393,7 @@ class NixlSenderPlane(SenderPlane):
         return NixlSession(self, peer, reply.nixl_agent)
 
     def take_notifs(self, agent: str) -> dict[int, str]:
-        """Transfer id -> error of the READs ``agent`` reported done since the last call."""
+        """Transfer id -> error of the READs ``agent`` reported over since the last call."""
         with self._notif_lock:
             for name, messages in self.agent.get_new_notifs().items():
                 box = self._notifs.setdefault(name, {})
@@ -428,89 +414,21 @@ class NixlSession(SenderSession):
         self.agent = agent
 
     def deliver(self, request_id: str, staged: Staged, dst_block_ids: list[int], deadline: float) -> None:
-        plane = self.plane
-        num_layers, n = staged.tensor.shape[:2]
-        cap = max(1, min(PIECE_BYTES // plane.slot_bytes, plane.slots.num_slots // 2))
-        pending: dict[int, tuple[int, int, bool]] = {}  # transfer id -> (slot start, count, slots ours)
-        try:
-            if staged.slot_start >= 0:  # already in the arena, [L, n] layer-major
-                step = max(1, cap // n)
-                for l0 in range(0, num_layers, step):
-                    l1 = min(l0 + step, num_layers)
-                    staged.wait(l1)  # these layers are gathered (later ones may still be running)
-                    xfer_id = self._ready(
-                        request_id, dst_block_ids, l0, l1, staged.slot_start + l0 * n, deadline
-                    )
-                    pending[xfer_id] = (0, 0, False)  # the arena run goes back with the staged job
-            else:
-                for l0, l1, j0, j1 in _pieces(num_layers, n, cap):
-                    count = (l1 - l0) * (j1 - j0)
-                    start = self._alloc(count, pending, deadline)
-                    xfer_id = next(plane._xfer_ids)
-                    pending[xfer_id] = (start, count, True)
-                    self._copy_in(staged.tensor[l0:l1, j0:j1], start, staged.event(l1))
-                    self._ready(request_id, dst_block_ids[j0:j1], l0, l1, start, deadline, xfer_id)
-            while pending:
-                self._collect(pending, deadline)
-        finally:
-            for start, count, ours in pending.values():
-                if ours:
-                    plane.slots.free(start, count)
-
-    def _ready(
-        self, rid: str, dst: list[int], l0: int, l1: int, slot_start: int, deadline: float, xfer_id: int = 0
-    ) -> int:
-        """Tell the peer that a piece is staged; returns its transfer id."""
-        xfer_id = xfer_id or next(self.plane._xfer_ids)
+        """Offer the blocks for one READ; returns once the peer reported it over (raises if it failed)."""
+        staged.wait()  # the kernels that wrote the blocks are done
+        xfer_id = next(self.plane._xfer_ids)
         left = max(deadline - time.monotonic(), 0.0)
-        self.peer.send([encode(KVReady(rid, xfer_id, list(dst), l0, l1, slot_start, left))], deadline)
-        return xfer_id
-
-    def _alloc(self, count: int, pending: dict, deadline: float) -> int:
+        ready = KVReady(request_id, xfer_id, list(staged.block_ids), list(dst_block_ids), left)
+        self.peer.send([encode(ready)], deadline)
         while True:
-            start = self.plane.slots.alloc(count)
-            if start is not None:
-                return start
-            self._collect(pending, deadline)  # waits a little when nothing of ours finished
-
-    def _copy_in(self, part: torch.Tensor, start: int, staged_event) -> None:
-        plane = self.plane
-        dst = plane.arena[start : start + part.shape[0] * part.shape[1]].view(part.shape)
-        if plane.stream is None:
-            dst.copy_(part)
-            return
-        with torch.cuda.stream(plane.stream):
-            if staged_event is not None:
-                plane.stream.wait_event(staged_event)
-            dst.copy_(part, non_blocking=True)
-        plane.stream.synchronize()
-
-    def _collect(self, pending: dict[int, tuple[int, int, bool]], deadline: float) -> bool:
-        """Take the peer's notifications; frees the slots of finished READs. True if any finished."""
-        done = self.plane.take_notifs(self.agent)
-        finished = False
-        for xfer_id, error in done.items():
-            entry = pending.pop(xfer_id, None)
-            if entry is None:
-                continue  # a late report of a transfer already given up
-            finished = True
-            if entry[2]:
-                self.plane.slots.free(entry[0], entry[1])
-            if error:
-                raise KVTransferError(f"KV peer {self.peer.address} refused a NIXL READ: {error}")
-        if not finished:
+            done = self.plane.take_notifs(self.agent)
+            if xfer_id in done:  # others are late reports of transfers given up
+                if done[xfer_id]:
+                    raise KVTransferError(f"KV peer {self.peer.address} refused a NIXL READ: {done[xfer_id]}")
+                return
             if time.monotonic() > deadline:
                 raise KVTransferError(f"no reply from KV peer {self.peer.address} in time (NIXL READ)")
             time.sleep(POLL_S)
-        return finished
 
     def close(self) -> None:
         pass
-
-
-def _pieces(num_layers: int, n: int, cap: int) -> list[tuple[int, int, int, int]]:
-    """(layer start, layer end, block start, block end) pieces of at most ``cap`` regions each."""
-    if n <= cap:
-        step = cap // n
-        return [(l0, min(l0 + step, num_layers), 0, n) for l0 in range(0, num_layers, step)]
-    return [(layer, layer + 1, j, min(j + cap, n)) for layer in range(num_layers) for j in range(0, n, cap)]

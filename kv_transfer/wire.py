@@ -21,7 +21,8 @@ class KVSetup(Message):
     transports: list[str]  # preference order, e.g. ["nixl", "nccl", "zmq"]
     nixl_agent: str = ""  # the sender's NIXL agent name
     nixl_metadata: bytes = b""  # its agent metadata (``get_agent_metadata``)
-    nixl_arena: tuple[int, int, int, int] = (0, 0, 0, 0)  # staging arena: address, slot bytes, slots, device
+    # Its registered KV cache: base address, layers, blocks, bytes per (layer, block) slab, device.
+    nixl_cache: tuple[int, int, int, int, int] = (0, 0, 0, 0, 0)
     nixl_mem: str = ""  # DRAM | VRAM
     nccl_device: str = ""  # cpu (gloo) | cuda (nccl): both ends must hold the KV on the same kind
 
@@ -36,19 +37,17 @@ class KVSetupReply(Message):
 
 
 class KVReady(Message):
-    """NIXL: layers [layer_start, layer_end) of ``block_ids`` are staged in the sender's arena.
+    """NIXL: every layer of ``src_block_ids`` in the sender's registered cache may be read now.
 
-    Slot ``slot_start + (layer - layer_start) * len(block_ids) + i`` holds (layer, block_ids[i]).
-    The receiver READs them into its reserved blocks and answers with a ``KVReadDone``
-    notification through NIXL, carrying ``xfer_id``; until then the slots stay untouched.
+    The receiver READs (layer, ``src_block_ids[i]``) into its (layer, ``dst_block_ids[i]``) for
+    every layer, in place, and answers with a ``KVReadDone`` notification through NIXL carrying
+    ``xfer_id``; until then the sender keeps those blocks unchanged.
     """
 
     request_id: str
     xfer_id: int
-    block_ids: list[int]
-    layer_start: int
-    layer_end: int
-    slot_start: int
+    src_block_ids: list[int]
+    dst_block_ids: list[int]
     timeout_s: float  # the READ is abandoned (and the request failed) after this long
 
 

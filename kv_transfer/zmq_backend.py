@@ -19,8 +19,8 @@ peer, multipart messages whose first frame is a msgpack ``Message``):
   inside a live reservation.
 
 On the zmq plane the sender copies the request's blocks out of its cache into one CPU
-staging tensor (the only copy on that side), so the caller may free them at once; frames
-point into that tensor (``copy=False``). The receiver reads each frame without copying it
+staging tensor when ``send`` is called (the only copy on that side); frames point into that
+tensor (``copy=False``). The receiver reads each frame without copying it
 and copies it straight into the reserved blocks: one copy per side.
 """
 
@@ -372,15 +372,13 @@ class _Peer:
                 job.future.set_result(self._do(job))
             except Exception as e:
                 # A timeout or broken peer leaves the connection in an unknown state: start afresh.
+                # The request is never committed from here on (its source blocks may be reused).
                 if job.request_id:
                     self.failed[job.request_id] = None
                     while len(self.failed) > self.FAILED_MEMORY:
                         self.failed.popitem(last=False)
                 self._close_socket()
                 job.future.set_exception(e if isinstance(e, KVTransferError) else KVTransferError(str(e)))
-            finally:
-                if job.staged is not None and job.staged.release is not None:
-                    job.staged.release()
 
     def recv(self, deadline: float, kind, resend: list | None = None):
         """The next reply of type ``kind`` (for KVAck: of the request awaited); stale replies are skipped."""
@@ -447,7 +445,7 @@ class _Peer:
         rid = job.request_id
         if rid in self.failed:
             raise KVTransferError(f"an earlier part of request {rid}'s KV failed; it cannot be committed")
-        if staged.tensor.shape[1]:
+        if job.dst_block_ids:
             if self.session is not None:
                 self.session.deliver(rid, staged, job.dst_block_ids, deadline)
             else:
@@ -535,10 +533,12 @@ class ZmqSender(KVSender):
         plane = self.planes.get(peer.transport)  # read once: the peer thread may change it
         if plane is not None:
             staged = plane.stage(self.kv, src_block_ids)
-        else:  # zmq, or not agreed yet: [L, n, 2, BS, Hkv, D] on the CPU, the only copy
+        else:
+            # zmq, or not agreed yet: [L, n, 2, BS, Hkv, D] on the CPU, the only copy (a plane
+            # agreed on later moves it, or, reading in place, the blocks themselves)
             idx = torch.tensor(list(src_block_ids), dtype=torch.long, device=self.kv.device)
-            staged = Staged(self.kv.index_select(1, idx).cpu())
-        self.bytes_sent += staged.tensor.numel() * staged.tensor.element_size()
+            staged = Staged(self.kv.index_select(1, idx).cpu(), list(src_block_ids))
+        self.bytes_sent += len(src_block_ids) * self.kv[:, 0].numel() * self.kv.element_size()
         fut: Future = Future()
         peer.jobs.put(_Job(info, request_id, staged, list(dst_block_ids), commit, timeout, fut))
         return fut

@@ -6,12 +6,17 @@ Per request (``POST /internal/prefill`` carrying the decode node's landing descr
 2. The engine runs the prompt like any other — batched, chunked, reusing cached prefix
    blocks — with ``max_tokens=1`` and ``hold_blocks``: when its first token is sampled
    the request finishes but keeps its blocks.
-3. Right after that step, on the engine thread, the sender copies the blocks out
-   (nothing can evict them before) and the engine releases them: they stay in the
-   prefix cache for later prompts.
+3. Right after that step, on the engine thread, the sender takes the blocks (nothing can
+   evict them before). The transport may read them in place (nixl), so the engine keeps
+   them held until the send is over, either way, even if the request is aborted meanwhile;
+   then it releases them: they stay in the prefix cache for later prompts.
 4. The sender delivers the KV and the commit (first token, its logprobs, the seeded
    sampler's state, cached-token count) and waits for the decode node's ack; the HTTP
    reply is that outcome. Closing the HTTP request aborts the prefill.
+
+Full blocks of a prompt still being computed are shipped early, chunk by chunk. A preempted
+prompt's blocks may be reused before such a chunk was read, so after a preemption its blocks
+are shipped again from the first one.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from pdserve.messages import (
 )
 from pdserve.node import NodeService, NodeState, check_token, msgpack_response, node_app, read_message
 from pdserve.outputs import RequestOutput
+from pdserve.request import Request as EngineRequest
 from pdserve.request import RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -50,6 +56,10 @@ class PrefillService(NodeService):
         self.sender = None
         self._landing: dict[str, LandingDescriptor] = {}  # engine thread only
         self._blocks_sent: dict[str, int] = {}  # engine thread only: leading blocks already shipped
+        self._preemptions: dict[str, int] = {}  # engine thread only: preemptions seen while shipping
+        # Engine thread only: requests whose last send is in flight (their blocks stay held until it
+        # is over) -> None, or the held request while an abort is kept from releasing it (``forget``).
+        self._shipping: dict[str, EngineRequest | None] = {}
         # Event loop only: request id -> (decode KV address, next renewal, period).
         self.renewals: dict[str, tuple[str, float, float]] = {}
         self._renewer: asyncio.Task | None = None
@@ -122,9 +132,12 @@ class PrefillService(NodeService):
                 continue
             landing = self._landing.pop(out.request_id, None)
             sent = self._blocks_sent.pop(out.request_id, 0)
+            preemptions = self._preemptions.pop(out.request_id, 0)
             src = engine.held_block_ids(out.request_id)
             if landing is None or src is None:
                 continue
+            if engine.scheduler.held[out.request_id].num_preemptions != preemptions:
+                sent = 0  # the blocks shipped early may have been reused before they were read
             completion = out.outputs[0]
             logprobs = completion.logprobs[0] if completion.logprobs else None
             commit = KVCommit(
@@ -148,8 +161,7 @@ class PrefillService(NodeService):
             except Exception as e:
                 fut = Future()
                 fut.set_exception(e)
-            finally:
-                engine.release_held(out.request_id)  # the sender copied the blocks out
+            self._shipping[out.request_id] = None  # released by _transfer_done
             fut.add_done_callback(lambda f, rid=out.request_id, t=started: self._transfer_done(rid, f, t))
 
     def _send_finished_chunks(self, engine: LLMEngine) -> None:
@@ -165,6 +177,9 @@ class PrefillService(NodeService):
                 continue  # not started, or done: the finish path sends the rest with the commit
             ready = min(request.num_computed_tokens // block_size, len(landing.block_ids))
             sent = self._blocks_sent.get(request_id, 0)
+            if request.num_preemptions != self._preemptions.get(request_id, 0):
+                sent = self._blocks_sent[request_id] = 0  # shipped blocks may be reused before read
+                self._preemptions[request_id] = request.num_preemptions
             if ready <= sent:
                 continue
             src = engine.scheduler.kv.get_block_ids(request_id)[sent:ready]
@@ -185,7 +200,20 @@ class PrefillService(NodeService):
     def _transfer_done(self, request_id: str, fut: Future, started: float) -> None:
         if fut.exception() is None:
             self.state.metrics.transfer_seconds.observe(time.monotonic() - started)
+        self.state.loop.submit(lambda engine: self._release(engine, request_id))
         self.state.loop.loop.call_soon_threadsafe(self._resolve, request_id, fut)
+
+    def _release(self, engine: LLMEngine, request_id: str) -> None:
+        """The send is over: the transport no longer reads the blocks (engine thread)."""
+        self._hold_again(engine, request_id)
+        self._shipping.pop(request_id, None)
+        engine.release_held(request_id)
+
+    def _hold_again(self, engine: LLMEngine, request_id: str) -> None:
+        detached = self._shipping.get(request_id)
+        if detached is not None:
+            engine.scheduler.held[request_id] = detached
+            self._shipping[request_id] = None
 
     def _resolve(self, request_id: str, fut: Future) -> None:
         waiter = self.transfers.pop(request_id, None)
@@ -199,6 +227,13 @@ class PrefillService(NodeService):
     def forget(self, request_id: str) -> None:
         self._landing.pop(request_id, None)
         self._blocks_sent.pop(request_id, None)
+        self._preemptions.pop(request_id, None)
+        if request_id in self._shipping and self._shipping[request_id] is None:
+            # Aborted while its KV may be read: ``NodeState.end_request`` releases held blocks right
+            # after this. Keep them out of its reach and held again by the next command (commands
+            # run back to back, before the next engine step) until the send is over.
+            self._shipping[request_id] = self.state.engine.scheduler.held.pop(request_id, None)
+            self.state.loop.submit(lambda engine: self._hold_again(engine, request_id))
 
     def add_routes(self, app: FastAPI) -> None:
         add_prefill_routes(app, self)

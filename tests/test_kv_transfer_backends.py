@@ -237,7 +237,7 @@ def test_auto_and_preference_lists():
         kv_transfer.transport_preferences("carrier-pigeon")
 
 
-# -- the lease table's pins (one-sided transfers) and nixl's staging arena ----------------------------
+# -- the lease table's pins (one-sided transfers) and nixl's descriptors -----------------------------
 
 
 def test_release_waits_for_pinned_transfers():
@@ -263,40 +263,23 @@ def test_commit_refuses_kv_still_in_flight():
     assert table.commit("r") == "NIXL READ failed (peer gone?)"
 
 
-def test_slot_arena_first_fit_and_merge():
-    from kv_transfer.nixl_backend import SlotArena
+@pytest.mark.parametrize("max_bytes", [0, 2 * 64, 3 * 64])
+def test_nixl_coalesces_runs_contiguous_on_both_sides(max_bytes):
+    from kv_transfer.nixl_backend import coalesce
 
-    arena = SlotArena(10)
-    a, b, c = arena.alloc(4), arena.alloc(3), arena.alloc(3)
-    assert (a, b, c) == (0, 4, 7) and arena.alloc(1) is None
-    arena.free(4, 3)
-    assert arena.alloc(4) is None and arena.alloc(2) == 4
-    arena.free(0, 4)
-    arena.free(7, 3)
-    arena.free(4, 2)
-    assert arena.num_free == 10 and arena.alloc(10) == 0
-    with pytest.raises(AssertionError, match="freed twice"):
-        arena.free(0, 10)
-        arena.free(2, 1)
-
-
-@pytest.mark.skipif("nixl" not in kv_transfer.available_transports(), reason="nixl not installed")
-def test_nixl_stages_through_plain_memory_when_the_arena_is_full():
-    """A request bigger than the arena goes in pieces that reuse its slots as READs finish."""
-    src = torch.randn(L, NB, 2, BS, H, D)
-    r = Receiver("nixl")
-    region = r.dst[0, 0].numel() * 4
-    sender = make_sender("nixl", src, staging_bytes=4 * region)  # 4 slots for 3 x 10 regions
-    try:
-        ids = list(range(10))
-        r.table.add("big", [15 - i for i in ids], time.time() + 10)
-        assert _send(sender, r.address, "big", ids, [15 - i for i in ids]).result().ok
-        for i in ids:
-            assert torch.equal(r.dst[:, 15 - i], src[:, i])
-        assert sender.planes["nixl"].slots.num_free == 4
-    finally:
-        sender.close()
-        r.close()
+    slab = 64  # bytes per (layer, block) slab; caches of 2 layers, 8 (source) and 6 (destination) blocks
+    src, dst, lengths = coalesce([3, 4, 5, 7], [0, 1, 2, 3], 2, 8, 6, slab)
+    # Per layer: 3,4,5 -> 0,1,2 is one run; 7 -> 3 is cut because 6 is skipped on the source side.
+    assert (src // slab).tolist() == [3, 7, 11, 15] and (dst // slab).tolist() == [0, 3, 6, 9]
+    assert (lengths // slab).tolist() == [3, 1, 3, 1]
+    # Whole layers in order on both sides: one run across the layer boundary, cut by max_bytes.
+    src, dst, lengths = coalesce(range(8), range(8), 2, 8, 8, slab, max_bytes)
+    pieces = max_bytes // slab if max_bytes else 16
+    assert lengths.sum() == 16 * slab and lengths.max() == pieces * slab
+    assert (src == dst).all() and src.tolist() == list(range(0, 16 * slab, pieces * slab))
+    # Descending ids never merge.
+    src, dst, lengths = coalesce([5, 4], [1, 0], 1, 8, 6, slab)
+    assert (src // slab).tolist() == [5, 4] and (dst // slab).tolist() == [1, 0] and (lengths == slab).all()
 
 
 # -- across processes: a receiver killed, a receiver that stops answering, a sender killed -----------
@@ -427,15 +410,15 @@ def test_sender_killed_mid_prompt_leaves_an_uncommitted_lease(name):
 
 @pytest.mark.parametrize("name", [b for b in BACKENDS if b != "zmq"])
 def test_many_chunks_in_flight_stay_in_step(name, monkeypatch):
-    """One layer per chunk: nccl posts chunk k+1's recv before landing chunk k, nixl has several
-    READs in flight; a refused chunk in the middle fails only its request."""
+    """One layer per chunk: nccl posts chunk k+1's recv before landing chunk k, nixl cuts its READ
+    into descriptors of a few slabs; a refused chunk in the middle fails only its request."""
     import kv_transfer.nccl_backend
     import kv_transfer.nixl_backend
 
     src = torch.randn(L, NB, 2, BS, H, D)
     region = src[0, 0].numel() * 4
     monkeypatch.setattr(kv_transfer.nccl_backend, "CHUNK_BYTES", 10 * region)
-    monkeypatch.setattr(kv_transfer.nixl_backend, "PIECE_BYTES", 10 * region)
+    monkeypatch.setattr(kv_transfer.nixl_backend, "MAX_DESC_BYTES", 3 * region)
     r = Receiver(name)
     sender = make_sender(name, src)
     try:

@@ -6,8 +6,8 @@ pdserve's senders (``nixl``, ``nccl``, ``zmq``: the receiver accepts all three a
 offers one), and, as anchors measured in the same run, through
 
 * raw NCCL ``send``/``recv`` of one contiguous tensor (``init_process_group``; gloo on the CPU),
-* a raw NIXL READ of one contiguous registered region (what pdserve's nixl backend does per
-  block, in one descriptor),
+* a raw NIXL READ of one contiguous registered region (pdserve's nixl backend READs the blocks
+  in place, one descriptor per run of blocks contiguous in both caches),
 * one plain TCP connection into a preallocated buffer (CPU).
 
 On a 2-GPU host (sender on cuda:0, receiver on cuda:1; Llama-3-8B's KV shape in bf16)::
@@ -79,10 +79,16 @@ def _nixl_agent(name: str):
 # -- receiver process ------------------------------------------------------------------------------
 
 
-def _receiver(conn, shape: tuple, num_blocks: int, device: str, transports: str, raw_bytes: int) -> None:
+def _receiver(
+    conn, shape: tuple, num_blocks: int, device: str, transports: str, raw_bytes: int, max_desc_bytes: int
+) -> None:
     import kv_transfer
     from kv_transfer import ReservationTable
 
+    if max_desc_bytes and "nixl" in transports:
+        import kv_transfer.nixl_backend
+
+        kv_transfer.nixl_backend.MAX_DESC_BYTES = max_desc_bytes  # the decode side builds the READs
     torch.set_num_threads(1)
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
@@ -211,7 +217,8 @@ def run(args: argparse.Namespace) -> dict:
     max_bytes = max_blocks * block_bytes
     ctx = mp.get_context("spawn")
     accepted = ",".join(dict.fromkeys([*transports, "zmq"]))
-    remote = _Remote(ctx, (shape, max_blocks, recv_dev, accepted, max_bytes))
+    max_desc_bytes = int(args.nixl_max_desc_mib * (1 << 20))
+    remote = _Remote(ctx, (shape, max_blocks, recv_dev, accepted, max_bytes, max_desc_bytes))
     if not remote.conn.poll(300):
         raise RuntimeError("the receiver did not start")
     address, raw_port = remote.conn.recv()
@@ -223,8 +230,7 @@ def run(args: argparse.Namespace) -> dict:
     flat = src.view(-1).view(torch.uint8)
     senders = {}
     for name in transports:
-        # The arena holds the largest request, so nixl stages straight into registered memory.
-        senders[name] = kv_transfer.create_sender(name, staging_bytes=max_bytes)
+        senders[name] = kv_transfer.create_sender(name)
         senders[name].register_kv_cache(src)
         senders[name].handshake(address, _info("bench-prefill", shape), 60)
 
@@ -335,13 +341,15 @@ def run(args: argparse.Namespace) -> dict:
             "dtype": dtype,
             "bytes_per_block": block_bytes,
         },
-        "what": "pdserve_<t>: time from KVSender.send (staging the blocks out of the cache included) to "
-        "the decode side's ack after every block landed in its reserved slots, through transport t; "
+        "what": "pdserve_<t>: time from KVSender.send (for nccl and zmq, copying the blocks out of the cache "
+        "included; nixl READs them in place) to the decode side's ack after every block landed in its "
+        "reserved slots, through transport t; "
         "raw_nccl (raw_gloo on the CPU): dist.send of one contiguous tensor until the receiver synced "
         "its recv; "
         "raw_nixl_read: one NIXL READ of one contiguous registered region, started by the receiver; "
         "raw_tcp: one socket, sendall into recv_into. GB/s = bytes / median time.",
         "repeats": repeats,
+        "nixl_max_desc_bytes": max_desc_bytes,
         "results": rows,
     }
     out = args.output or (
@@ -362,6 +370,12 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--anchors", default="", help="raw anchors: nccl, nixl, tcp (default: nccl,nixl on cuda)")
     p.add_argument("--shape", choices=sorted(SHAPES), default="", help="KV shape (default by device)")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument(
+        "--nixl-max-desc-mib",
+        type=float,
+        default=0,
+        help="cut nixl READ descriptors to at most this size (default 0: one per contiguous run)",
+    )
     p.add_argument("--dry-run", action="store_true", help="small sizes, one repeat, output to a temp file")
     p.add_argument("--output", default="", help="default docs/benchmarks/kv_transfer_<cpu|gpu>.json")
 

@@ -1,0 +1,306 @@
+"""nixl reads the blocks in place out of the prefill node's registered cache (DRAM via UCX here):
+block ids in any order and number, caches of different sizes, a reservation released while its
+READ is running, a prefill node killed mid-READ; and the prefill node keeping the source blocks
+until the send is over, even when the request is aborted meanwhile."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+import types
+from concurrent.futures import Future
+
+import pytest
+import torch
+
+import kv_transfer
+from kv_transfer import KVTransferError, ReservationTable
+from pdserve.messages import KVCommit, NodeInfo
+
+nixl_only = pytest.mark.skipif("nixl" not in kv_transfer.available_transports(), reason="nixl not installed")
+
+SMALL = (3, 2, 4, 8)  # layers, KV heads, block size, head dim: 512-byte slabs in float32
+LARGE = (3, 8, 16, 128)  # 128 KiB slabs: a READ of a few hundred blocks takes tens of milliseconds
+
+
+def info(node_id: str, shape: tuple) -> NodeInfo:
+    layers, heads, block, dim = shape
+    return NodeInfo(node_id, "decode", "m", "float32", block, layers, heads, dim, "LNB2SHD", "", "", 64, 100)
+
+
+def cache(shape: tuple, num_blocks: int, fill: bool) -> torch.Tensor:
+    layers, heads, block, dim = shape
+    dims = (layers, num_blocks, 2, block, heads, dim)
+    return torch.randn(dims) if fill else torch.zeros(dims)
+
+
+class Pair:
+    """A nixl receiver (decode) and sender (prefill) in this process, each with its own cache."""
+
+    def __init__(self, shape: tuple, src_blocks: int, dst_blocks: int) -> None:
+        self.shape = shape
+        self.src = cache(shape, src_blocks, fill=True)
+        self.dst = cache(shape, dst_blocks, fill=False)
+        self.table = ReservationTable(shape[0])
+        self.commits: list[str] = []
+        self.receiver = kv_transfer.create_receiver("nixl")
+        self.receiver.register_kv_cache(self.dst)
+        self.address = self.receiver.start(info("decode", shape), self.table, self._commit)
+        self.sender = kv_transfer.create_sender("nixl")
+        self.sender.register_kv_cache(self.src)
+
+    def _commit(self, commit: KVCommit) -> None:
+        self.commits.append(commit.request_id)
+
+    def send(self, rid: str, src_ids, dst_ids, commit: bool = True, timeout: float = 30.0) -> Future:
+        c = KVCommit(rid, first_token=1) if commit else None
+        return self.sender.send(self.address, info("prefill", self.shape), rid, src_ids, dst_ids, c, timeout)
+
+    def close(self) -> None:
+        self.sender.close()
+        self.receiver.close()
+
+
+@nixl_only
+def test_non_contiguous_ids_and_caches_of_different_sizes():
+    pair = Pair(SMALL, src_blocks=16, dst_blocks=40)
+    try:
+        # Runs on both sides, runs on one side only, descending ids, a jump across the cache.
+        src_ids = [0, 1, 2, 5, 6, 9, 8, 15, 3]
+        dst_ids = [10, 11, 12, 20, 30, 31, 32, 39, 0]
+        pair.table.add("mix", dst_ids, time.time() + 30)
+        assert pair.send("mix", src_ids, dst_ids).result().ok and pair.commits == ["mix"]
+        assert torch.equal(pair.dst[:, dst_ids], pair.src[:, src_ids])
+        # The sender's whole cache, contiguous across its layers, into a run that is not.
+        dst_ids = list(range(24, 40))
+        pair.table.add("all", dst_ids, time.time() + 30)
+        assert pair.send("all", range(16), dst_ids).result().ok
+        assert torch.equal(pair.dst[:, dst_ids], pair.src)
+        untouched = sorted(set(range(40)) - {10, 11, 12, 20, 0, *range(24, 40)})
+        assert pair.dst[:, untouched].abs().sum() == 0
+        n = 9 + 16
+        assert pair.sender.bytes_sent == pair.receiver.bytes_received == n * 3 * pair.dst[0, 0].numel() * 4
+    finally:
+        pair.close()
+
+
+@nixl_only
+def test_many_blocks_in_one_read():
+    pair = Pair(SMALL, src_blocks=4096, dst_blocks=4096)
+    try:
+        gen = torch.Generator().manual_seed(0)
+        src_ids = torch.randperm(4096, generator=gen)[:3000].tolist()  # ~9000 descriptors
+        dst_ids = torch.randperm(4096, generator=gen)[:3000].tolist()
+        pair.table.add("many", dst_ids, time.time() + 30)
+        assert pair.send("many", src_ids, dst_ids).result().ok
+        assert torch.equal(pair.dst[:, dst_ids], pair.src[:, src_ids])
+        # And in chunks, as a prompt computed in several steps is shipped.
+        pair.dst.zero_()
+        pair.table.add("chunks", dst_ids, time.time() + 30)
+        for i in range(0, 3000, 1000):
+            last = i + 1000 == 3000
+            fut = pair.send("chunks", src_ids[i : i + 1000], dst_ids[i : i + 1000], commit=last)
+            assert fut.result() is None or (last and fut.result().ok)
+        assert torch.equal(pair.dst[:, dst_ids], pair.src[:, src_ids])
+        assert pair.commits == ["many", "chunks"]
+    finally:
+        pair.close()
+
+
+def _pinned(table: ReservationTable, rid: str) -> bool:
+    return bool(table._inflight.get(rid))
+
+
+@nixl_only
+def test_release_mid_read_waits_for_it_and_the_sender_holds_its_blocks_until_then():
+    """An abort on the decode node while its READ runs: ``release`` returns only once the READ is
+    over, nothing lands after it, and the sender's future resolves only after the READ ended (the
+    prefill node frees its source blocks then)."""
+    pair = Pair(LARGE, src_blocks=512, dst_blocks=512)
+    ids = list(range(512))
+    try:
+        pair.sender.handshake(pair.address, info("prefill", LARGE), 10)
+        for attempt in range(5):  # until the abort lands while the READ is in flight
+            rid = f"abort-{attempt}"
+            pair.table.add(rid, ids, time.time() + 30)
+            fut = pair.send(rid, ids, ids)
+            pinned_when_resolved: list[bool] = []
+            fut.add_done_callback(
+                lambda f, rid=rid, out=pinned_when_resolved: out.append(_pinned(pair.table, rid))
+            )
+            while not _pinned(pair.table, rid) and not fut.done():
+                time.sleep(0.0005)
+            if fut.done():
+                continue  # the READ finished before it was seen: try again
+            pair.table.release(rid)
+            assert not _pinned(pair.table, rid), "release returned while the READ was in flight"
+            after = pair.dst.clone()
+            with pytest.raises(KVTransferError, match="no reservation"):
+                fut.result(timeout=30)
+            assert pinned_when_resolved == [False]
+            time.sleep(0.2)
+            assert torch.equal(pair.dst, after), "bytes landed after the release"
+            assert pair.commits == []
+            break
+        else:
+            pytest.fail("never caught a READ in flight")
+        # The pair still serves the next request.
+        pair.dst.zero_()
+        pair.table.add("next", ids[:8], time.time() + 30)
+        assert pair.send("next", ids[100:108], ids[:8]).result().ok
+        assert torch.equal(pair.dst[:, :8], pair.src[:, 100:108])
+    finally:
+        pair.close()
+
+
+def _prefill_child(address: str, conn) -> None:
+    """A prefill node's sender in its own process: offers 512 large blocks, then waits to be killed."""
+    torch.set_num_threads(1)
+    sender = kv_transfer.create_sender("nixl")
+    sender.register_kv_cache(cache(LARGE, 512, fill=True))
+    sender.handshake(address, info("prefill", LARGE), 30)
+    conn.send("ready")
+    conn.recv()
+    sender.send(address, info("prefill", LARGE), "doomed", range(512), range(512), None, 30)
+    time.sleep(60)
+
+
+@nixl_only
+def test_prefill_node_killed_mid_read(monkeypatch):
+    import kv_transfer.nixl_backend
+
+    monkeypatch.setattr(kv_transfer.nixl_backend, "MAX_READ_S", 3.0)
+    dst = cache(LARGE, 512, fill=False)
+    table = ReservationTable(LARGE[0])
+    commits: list[KVCommit] = []
+    receiver = kv_transfer.create_receiver("nixl")
+    receiver.register_kv_cache(dst)
+    address = receiver.start(info("decode", LARGE), table, commits.append)
+    ctx = mp.get_context("spawn")
+    conn, child_conn = ctx.Pipe()
+    child = ctx.Process(target=_prefill_child, args=(address, child_conn), daemon=True)
+    child.start()
+    sender = None
+    try:
+        assert conn.poll(120) and conn.recv() == "ready"
+        table.add("doomed", list(range(512)), time.time() + 30)
+        conn.send("go")
+        deadline = time.monotonic() + 30
+        while not _pinned(table, "doomed"):
+            assert time.monotonic() < deadline, "the READ never started"
+            time.sleep(0.0005)
+        os.kill(child.pid, signal.SIGKILL)
+        child.join(timeout=10)
+        start = time.monotonic()
+        while _pinned(table, "doomed"):  # failed, cancelled at its deadline, or (rarely) finished
+            assert time.monotonic() - start < 10, "the READ from a dead node never ended"
+            time.sleep(0.01)
+        assert commits == [] and table.commit("doomed") != ""  # never committed without its sender
+        released = threading.Thread(target=table.release, args=("doomed",))
+        released.start()
+        released.join(timeout=2)
+        assert not released.is_alive()
+        # A new prefill node is served as before.
+        src = cache(LARGE, 64, fill=True)
+        sender = kv_transfer.create_sender("nixl")
+        sender.register_kv_cache(src)
+        table.add("next", [5, 9], time.time() + 30)
+        commit = KVCommit("next", first_token=1)
+        assert sender.send(address, info("prefill", LARGE), "next", [1, 2], [5, 9], commit, 30).result().ok
+        assert torch.equal(dst[:, [5, 9]], src[:, [1, 2]]) and [c.request_id for c in commits] == ["next"]
+    finally:
+        if child.is_alive():
+            os.kill(child.pid, signal.SIGKILL)
+        if sender is not None:
+            sender.close()
+        receiver.close()
+
+
+# -- the prefill node keeps the source blocks until the send is over --------------------------------
+
+
+class _Sender:
+    """Records sends; the test resolves their futures."""
+
+    bytes_sent = 0
+
+    def __init__(self) -> None:
+        self.sends: list[tuple[str, list[int], Future]] = []
+
+    def send(self, address, info, request_id, src_block_ids, dst_block_ids, commit, timeout) -> Future:
+        fut: Future = Future()
+        self.sends.append((request_id, list(src_block_ids), fut))
+        return fut
+
+
+class _Loop:
+    """The engine loop's surface the prefill service uses; commands run when the test says."""
+
+    def __init__(self) -> None:
+        self.commands: list = []
+        self.loop = types.SimpleNamespace(call_soon_threadsafe=lambda fn, *args: None)
+
+    def submit(self, fn) -> None:
+        self.commands.append(fn)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from pdserve.config import EngineConfig
+    from pdserve.engine import LLMEngine
+
+    config = EngineConfig.from_kwargs(
+        model="random:tiny", num_kv_blocks=32, block_size=16, max_model_len=256, num_threads=1
+    )
+    return LLMEngine(config)
+
+
+@pytest.mark.parametrize("case", ["done", "aborted", "aborted, done at once", "done, aborted at once"])
+def test_prefill_service_frees_the_blocks_only_when_the_send_is_over(engine, case):
+    from pdserve.messages import LandingDescriptor
+    from pdserve.sampling_params import SamplingParams
+    from prefill_node.server import PrefillService
+
+    loop = _Loop()
+    state = types.SimpleNamespace(
+        engine=engine,
+        loop=loop,
+        info=None,
+        node=types.SimpleNamespace(kv_transfer_timeout_s=5.0),
+        metrics=types.SimpleNamespace(transfer_seconds=types.SimpleNamespace(observe=lambda s: None)),
+    )
+    service = PrefillService(state)
+    service.sender = _Sender()
+    pool = engine.scheduler.kv.pool
+    total = pool.num_free_blocks
+    rid = f"p-{case}"
+    prompt = list(range(5, 45))  # 40 tokens: 3 blocks
+    engine.add_request(rid, None, SamplingParams(max_tokens=1), prompt_token_ids=prompt, hold_blocks=True)
+    service._landing[rid] = LandingDescriptor(rid, "decode", "tcp://decode", [7, 8, 9], 40, time.time() + 30)
+    while rid not in engine.scheduler.held:
+        service.after_step(engine.step())
+    ((sent_rid, src, fut),) = service.sender.sends
+    assert sent_rid == rid and src == engine.held_block_ids(rid) and len(src) == 3
+    if case == "done, aborted at once":  # the send ends, and an abort runs before its release
+        fut.set_result(None)
+    if "aborted" in case:  # NodeState.end_request, run by a command when the proxy gives up
+        service.forget(rid)
+        engine.abort_request([rid])
+        if case == "aborted, done at once":  # the send ends before the next command runs
+            fut.set_exception(KVTransferError("peer gone"))
+        while loop.commands:
+            loop.commands.pop(0)(engine)
+    # Neither the step's end nor an abort gave the blocks back: the peer may still be reading them.
+    if not fut.done():
+        assert pool.num_free_blocks == total - 3
+        assert all(pool.blocks[b].ref_cnt == 1 for b in src) and engine.held_block_ids(rid) == src
+        engine.scheduler.check_integrity()
+        fut.set_result(None)
+        assert len(loop.commands) == 1  # the release, queued for the engine thread
+        loop.commands.pop()(engine)
+    assert pool.num_free_blocks == total and rid not in engine.scheduler.held and not loop.commands
+    assert not service._shipping
+    engine.scheduler.check_integrity()
