@@ -15,9 +15,10 @@ The API has two halves.
   frame for it) and only then frees the blocks. Blocks are therefore never written
   after they were freed, and a request never runs on partial KV.
 * Who frees: the decode node frees what it reserved (on finish, abort or expiry);
-  the prefill node frees its own blocks once the send's future has resolved, either way (the
-  transport may read them in place until then: ``Scheduler.release_held``), or keeps them as
-  prefix cache.
+  the prefill node frees its own blocks (``Scheduler.release_held``) only once the send's
+  future has resolved, either way, since a transport may read them in place until then, or
+  keeps them as prefix cache. A request whose send failed is never committed, so the blocks
+  may be reused at once even if the peer still reads them.
 
 **Worker side** (the backends; they move bytes and never touch scheduler state):
 
