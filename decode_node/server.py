@@ -27,6 +27,7 @@ import kv_transfer
 from kv_transfer import ReservationTable
 from pdserve.config import EngineConfig, NodeConfig
 from pdserve.engine import LLMEngine
+from pdserve.engine_loop import error_output
 from pdserve.messages import (
     KVCommit,
     LandingDescriptor,
@@ -64,6 +65,8 @@ class DecodeService(NodeService):
         self.table: ReservationTable | None = None
         self.receiver = None
         self.holdback: dict[str, int] = {}  # event loop only: text held back near stop strings
+        # Engine thread only: local-prefill requests waiting for their stream, with a deadline.
+        self.pending_local: dict[str, tuple[ReserveRequest, float]] = {}
 
     def start(self, transport: str) -> str:
         state = self.state
@@ -94,14 +97,24 @@ class DecodeService(NodeService):
             self.table.add(msg.request_id, block_ids, deadline)
         return block_ids
 
-    def add_local(self, engine: LLMEngine, msg: ReserveRequest) -> bool:
-        """Queue a prompt to be computed here; False when the blocks it needs are not free now."""
+    def accept_local(self, engine: LLMEngine, msg: ReserveRequest, deadline: float) -> bool:
+        """Take a prompt to be computed here once its stream opens (so no output can come before
+        anyone listens); False when the blocks it needs are not free now. Raises ValueError for a
+        request the engine can never serve."""
+        engine.validate_request(msg.request_id, msg.prompt_token_ids, msg.params)
         bs = engine.config.cache.block_size
         needed = -(-(len(msg.prompt_token_ids) + 1) // bs)
         if needed > engine.scheduler.kv.num_free_blocks:
             return False
-        engine.add_request(msg.request_id, None, msg.params, prompt_token_ids=msg.prompt_token_ids)
+        self.pending_local[msg.request_id] = (msg, deadline)
         return True
+
+    def start_local(self, engine: LLMEngine, request_id: str) -> None:
+        """The stream of a locally prefilled request is open: queue its prompt."""
+        pending = self.pending_local.pop(request_id, None)
+        if pending is not None:
+            msg = pending[0]
+            engine.add_request(request_id, None, msg.params, prompt_token_ids=msg.prompt_token_ids)
 
     def _on_commit(self, commit: KVCommit) -> None:
         # Receiver thread: hand over to the engine thread.
@@ -119,10 +132,15 @@ class DecodeService(NodeService):
     def on_idle(self) -> None:
         for request_id in self.table.expired():
             self.state.end_request(request_id, RequestStatus.FINISHED_ERROR, LEASE_EXPIRED)
+        now = time.time()
+        for request_id in [r for r, (_, deadline) in self.pending_local.items() if deadline < now]:
+            del self.pending_local[request_id]  # its stream never opened
+            self.state.loop.publish(error_output(request_id, "the token stream was not opened in time"))
 
     def forget(self, request_id: str) -> None:
         """Release the reservation first, so late frames are refused before the blocks are freed."""
         self.table.release(request_id)
+        self.pending_local.pop(request_id, None)
 
     def add_routes(self, app: FastAPI) -> None:
         add_decode_routes(app, self)
@@ -174,7 +192,7 @@ def add_decode_routes(app: FastAPI, service: DecodeService) -> None:
         state.loop.subscribe(msg.request_id)
         try:
             if msg.local_prefill:
-                taken = await state.loop.call(lambda e: service.add_local(e, msg))
+                taken = await state.loop.call(lambda e: service.accept_local(e, msg, deadline))
                 block_ids = [] if taken else None
             else:
                 block_ids = await state.loop.call(lambda e: service.reserve(e, msg, deadline))
@@ -206,6 +224,7 @@ def add_decode_routes(app: FastAPI, service: DecodeService) -> None:
             return error_response(404, f"no reserved request {rid!r} to stream")
         queue = state.loop.subscribe(rid)
         hold = holdback.pop(rid, 0)
+        await state.loop.call(lambda e: service.start_local(e, rid))
 
         async def events():
             sent_tokens = sent_text = 0

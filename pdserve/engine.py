@@ -130,6 +130,10 @@ class LLMEngine:
         self._track(request)
         return request
 
+    def validate_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError where ``add_request`` would; queues nothing."""
+        self.scheduler.validate(self._new_request(request_id, None, params, prompt_token_ids))
+
     def _new_request(
         self, request_id: str, prompt: str | None, params: SamplingParams, prompt_token_ids: list[int] | None
     ) -> Request:

@@ -93,12 +93,13 @@ class Scheduler:
     # -- admission -----------------------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        self._validate(request)
+        self.validate(request)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
-    def _validate(self, request: Request) -> None:
+    def validate(self, request: Request) -> None:
+        """Raise ValueError for a request this scheduler can never take (duplicate id, too long)."""
         if request.request_id in self.requests or request.request_id in self.held:
             raise ValueError(f"duplicate request id {request.request_id!r}")
         if request.num_prompt_tokens > self.max_model_len:
@@ -122,7 +123,7 @@ class Scheduler:
         The blocks stay out of the prefix cache until ``remote_kv_landed``: until then
         their contents are not valid and no other request may share them.
         """
-        self._validate(request)
+        self.validate(request)
         if self.kv.allocate_slots(request, request.num_prompt_tokens, cache=False) is None:
             return None
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV

@@ -62,9 +62,12 @@ class ProxyConfig:
     """Redis of the cluster's prefix index (redis://host:port/db); empty: route on load alone."""
     prefix_index_timeout_s: float = 0.1
     """Longest a request waits for the prefix index before it is routed on load alone."""
-    min_remote_prefill_tokens: int = 32
+    min_remote_prefill_tokens: int = 0
     """A prompt whose uncached part on the chosen decode node is shorter than this is computed
-    there instead of on a prefill node; 0 always uses a prefill node."""
+    there instead of on a prefill node; 0 (the default) always uses a prefill node while one is
+    up. Measured on 2 x H200 with 16 streams decoding (docs/benchmarks/conditional_prefill_h200x2.json):
+    a local prefill of even 8 tokens saves 12-20 ms of its TTFT but raises the streams' p99 TPOT
+    from 9-11 ms to 22-33 ms (one mixed step), and at 2048 tokens it is slower for both."""
     default_max_tokens: int = 4096
     """max_tokens of a request that sets none; the rest of the context caps it further."""
     admission_wait_s: float = 5.0

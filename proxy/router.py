@@ -170,12 +170,16 @@ class RoundRobin(RoutingPolicy):
 
 
 class PrefixAware(RoutingPolicy):
-    """Prefill nodes by the prompt tokens they would still have to compute before this prompt's
-    first token: its uncached part plus their queued prefill work. A node holding the prefix
-    wins until its queue outweighs the prefix; then the next node computes the prefix too, so
-    one hot prefix spreads instead of melting one node. Decode nodes by load first, then by
-    how much of the prompt they hold (what a local prefill would reuse), then free blocks.
-    Without index hits this is least-loaded by queued prompt tokens."""
+    """Prefill nodes by ``UNCACHED_WEIGHT x`` (the prompt's uncached part there) ``+`` (their
+    queued prefill tokens). The queue term is the wait before this prompt's first token; the
+    uncached term also counts as work taken from every later prompt on that node (and cache
+    space spent on a second copy), hence its weight. A node holding the prefix wins until its
+    queue outweighs about twice the prefix; then another node computes the prefix too, so one
+    hot prefix spreads instead of melting one node. Decode nodes by load first, then by how
+    much of the prompt they hold (what a local prefill would reuse), then free blocks. Without
+    index hits this is least-loaded by queued prompt tokens."""
+
+    UNCACHED_WEIGHT = 2
 
     def __init__(self) -> None:
         self._turn = {"prefill": itertools.count(), "decode": itertools.count()}
@@ -188,7 +192,8 @@ class PrefixAware(RoutingPolicy):
             node = candidates[i]
             cached = route.cached_tokens(node)
             if role == "prefill":
-                return (route.num_tokens - cached + node.queued_prefill_tokens, -cached, (i - start) % n)
+                cost = self.UNCACHED_WEIGHT * (route.num_tokens - cached) + node.queued_prefill_tokens
+                return (cost, -cached, (i - start) % n)
             return (node.load_score, -cached, -node.free_block_fraction, (i - start) % n)
 
         return [candidates[i] for i in sorted(range(n), key=key)]

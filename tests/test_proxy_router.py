@@ -113,10 +113,10 @@ def test_prefix_aware_prefers_the_cached_node_until_its_queue_outweighs_the_pref
     policy = PrefixAware()
     assert route.cached_tokens(p1) == 800 and route.cached_tokens(p0) == 0
     assert policy.rank("prefill", r.prefill, route) == [p1, p0]
-    p1.inflight_prefill_tokens = 700  # 200 + 700 < 1000 + 0: still p1
+    p1.inflight_prefill_tokens = 1500  # 2 x 200 + 1500 < 2 x 1000 + 0: still p1
     assert policy.rank("prefill", r.prefill, route)[0] is p1
-    p1.load = NodeLoad(0, 3, 0, 10, 100, pending_prompt_tokens=900)  # polled backlog of all proxies
-    assert policy.rank("prefill", r.prefill, route)[0] is p0  # 200 + 900 > 1000: spread the prefix
+    p1.load = NodeLoad(0, 3, 0, 10, 100, pending_prompt_tokens=1700)  # polled backlog of all proxies
+    assert policy.rank("prefill", r.prefill, route)[0] is p0  # 400 + 1700 > 2000: spread the prefix
     # No index answer: least queued prompt tokens.
     assert policy.rank("prefill", r.prefill, RouteRequest("r", prompt))[0] is p0
 

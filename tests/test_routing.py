@@ -39,8 +39,8 @@ def llm(default_model_dir):
     return LLM(str(default_model_dir), max_num_batched_tokens=512)
 
 
-def chat(url: str, messages: list[dict]) -> tuple[str, dict]:
-    body = {"model": MODEL, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0}
+def chat(url: str, messages: list[dict], max_tokens: int = MAX_TOKENS) -> tuple[str, dict]:
+    body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0}
     r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
     data = r.json()
@@ -105,6 +105,10 @@ def test_short_and_mostly_cached_prompts_skip_the_prefill_node(cluster, llm):
     made = decisions(proxy)
     assert made["short_prompt"] >= 1 and made["short_prompt"] + made.get("decode_holds_prefix", 0) == 4
     assert metrics(prefill)["pdserve_prompt_tokens_computed_total"] == before
+    # One token: a local request may finish at once; its output waits for the stream to open.
+    for c in shorts:
+        assert chat(proxy, c, max_tokens=1)[1]["completion_tokens"] == 1
+    made = decisions(proxy)
 
     turn1 = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Name a fruit."}]
     answer1, usage1 = chat(proxy, turn1)  # ~100 uncached tokens: the prefill node computes them

@@ -29,7 +29,9 @@ from pdserve.cluster import ClusterConfig, LocalCluster, free_port
 from pdserve.config import ModelConfig
 
 
-async def _stream(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], max_tokens: int):
+async def _stream(
+    client: httpx.AsyncClient, url: str, model: str, prompt: list[int], max_tokens: int, times=None
+):
     body = {
         "model": model,
         "prompt": prompt,
@@ -40,7 +42,7 @@ async def _stream(client: httpx.AsyncClient, url: str, model: str, prompt: list[
         "logprobs": 0,  # a chunk per step even without a tokenizer
     }
     start = time.perf_counter()
-    times = []
+    times = [] if times is None else times  # the caller's list fills as tokens arrive
     async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
@@ -52,27 +54,29 @@ async def _stream(client: httpx.AsyncClient, url: str, model: str, prompt: list[
 
 async def _phase(url: str, model: str, rng: random.Random, length: int, args) -> dict:
     stop = asyncio.Event()
-    gaps: list[float] = []
+    streams: list[list[float]] = []  # token arrival times of every background stream
 
     async def background(client: httpx.AsyncClient) -> None:
         while not stop.is_set():
             prompt = [rng.randrange(10, args.vocab) for _ in range(64)]
-            _, times = await _stream(client, url, model, prompt, args.background_tokens)
-            gaps.extend(b - a for a, b in zip(times, times[1:]))
+            streams.append([])
+            await _stream(client, url, model, prompt, args.background_tokens, streams[-1])
 
     async with httpx.AsyncClient(timeout=600) as client:
         tasks = [asyncio.ensure_future(background(client)) for _ in range(args.background)]
         await asyncio.sleep(args.settle_s)
-        gaps.clear()  # only gaps while probes run
+        window = time.perf_counter()
         ttfts = []
         for _ in range(args.probes):
             prompt = [rng.randrange(10, args.vocab) for _ in range(length)]
             start, times = await _stream(client, url, model, prompt, 1)
             ttfts.append(times[0] - start)
             await asyncio.sleep(args.probe_gap_s)
-        during = list(gaps)
+        end = time.perf_counter()
         stop.set()
         await asyncio.gather(*tasks)
+    # Token gaps of the background streams that ended inside the probes' window.
+    during = [b - a for ts in streams for a, b in zip(ts, ts[1:]) if window <= b <= end]
     return {
         "ttft_p50_s": statistics.median(ttfts),
         "ttft_mean_s": statistics.fmean(ttfts),
