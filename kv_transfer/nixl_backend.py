@@ -255,7 +255,9 @@ class NixlReceiverPlane(ReceiverPlane):
         while not self._stop.is_set():
             # Without a progress thread, notifications leave only while UCX is progressed: keep
             # doing so for a while after sending one (a first one may wait for its connection).
-            idle_wait = 0.005 if time.monotonic() < self._progress_until else 0.1
+            # While a notification may be on its way out, progress UCX every POLL_S: a blocking
+            # wait here holds the peer's completion back by as long as it waits.
+            idle_wait = POLL_S if time.monotonic() < self._progress_until else 0.1
             try:
                 while True:
                     job = self._jobs.get(timeout=idle_wait) if not inflight else self._jobs.get_nowait()
