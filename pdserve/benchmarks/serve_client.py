@@ -49,6 +49,8 @@ class RequestOptions:
     def body(self, messages: list[Message], max_tokens: int) -> dict[str, Any]:
         body: dict[str, Any] = {"model": self.model, "max_tokens": max_tokens, "stream": True}
         if self.chat:
+            if any(isinstance(m.content, tuple) for m in messages):
+                raise ValueError("token-id prompts need --endpoint /v1/completions")
             body["messages"] = [{"role": m.role, "content": m.content} for m in messages]
         else:
             body["prompt"] = render_prompt(messages)
@@ -108,7 +110,10 @@ class _Stream:
                 piece = delta.get("content") or delta.get("reasoning_content") or ""
             else:
                 piece = choice.get("text") or ""
-            if piece:
+            # A chunk that carries logprobs is a step even without text (a model without a
+            # tokenizer, prompted with token ids and `"logprobs": 0` in --extra-body).
+            logprobs = choice.get("logprobs") or {}
+            if piece or logprobs.get("tokens") or logprobs.get("content"):
                 self.text_arrived(piece)
         return True
 

@@ -16,6 +16,8 @@ arrived, with the earlier turns and their answers in front of it.
   drawn like a ``random`` prompt.
 * ``jsonl``: one JSON object per line of ``--dataset-path``, with one of
     - ``"prompt": "..."``: one request (the user message; the raw prompt on /v1/completions);
+    - ``"prompt": [token ids]``: one raw /v1/completions request (models without a tokenizer,
+      e.g. random weights; add ``--extra-body '{"logprobs": 0}'`` so every step sends a chunk);
     - ``"messages": [{"role": ..., "content": ...}, ...]``: one request with this history,
       ending with a user message;
     - ``"turns": ["...", "..."]`` and optionally ``"system": "..."``: a multi-turn
@@ -54,14 +56,15 @@ WORDS = tuple(dict.fromkeys(_WORD_TEXT.split()))
 @dataclass(frozen=True)
 class Message:
     role: str
-    content: str
+    content: str | tuple[int, ...]
+    """Text, or token ids (a raw /v1/completions prompt for models without a tokenizer)."""
 
 
 @dataclass(frozen=True)
 class Turn:
     """One user message and the number of tokens to ask for in reply."""
 
-    content: str
+    content: str | tuple[int, ...]
     output_len: int
 
     def __post_init__(self) -> None:
@@ -173,9 +176,15 @@ def parse_jsonl_line(line: dict, default_output_len: int, where: str = "jsonl") 
     """One line of a jsonl dataset (fields in the module docstring) as a conversation."""
     if not isinstance(line, dict):
         raise ValueError(f"{where}: expected a JSON object")
-    if isinstance(line.get("prompt"), str):
+    prompt = line.get("prompt")
+    if isinstance(prompt, str):
         (n,) = _output_lens(line, default_output_len, 1, where)
-        return Conversation((Turn(line["prompt"], n),))
+        return Conversation((Turn(prompt, n),))
+    if isinstance(prompt, list):
+        if not prompt or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
+            raise ValueError(f"{where}: a token-id prompt must be a non-empty list of ints >= 0")
+        (n,) = _output_lens(line, default_output_len, 1, where)
+        return Conversation((Turn(tuple(prompt), n),))
     if isinstance(line.get("messages"), list):
         msgs = [Message(str(m["role"]), str(m.get("content") or "")) for m in line["messages"]]
         if not msgs or msgs[-1].role != "user":
@@ -220,6 +229,11 @@ def build_dataset(cfg: DatasetConfig, tokenizer=None) -> list[Conversation]:
     return _jsonl(cfg)
 
 
-def render_prompt(messages: Sequence[Message]) -> str:
-    """The text sent on /v1/completions for a message list: the contents, one paragraph each."""
+def render_prompt(messages: Sequence[Message]) -> str | list[int]:
+    """What /v1/completions gets for a message list: the contents, one paragraph each, or the
+    token ids of a single token-id message."""
+    if any(isinstance(m.content, tuple) for m in messages):
+        if len(messages) != 1:
+            raise ValueError("a token-id prompt is a single-turn /v1/completions request")
+        return list(messages[0].content)
     return "\n\n".join(m.content for m in messages)
