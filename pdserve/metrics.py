@@ -325,3 +325,13 @@ class Registry:
         for metric in metrics:
             lines.extend(metric.render())
         return "\n".join(lines) + "\n" if lines else ""
+
+
+def parse_text(text: str) -> dict[str, float]:
+    """Samples of a Prometheus text exposition: ``name{labels}`` as written -> value."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out

@@ -15,6 +15,7 @@ import redis
 
 from pdserve.cluster import ClusterConfig, LocalCluster, free_port
 from pdserve.config import ModelConfig
+from pdserve.metrics import parse_text
 from pdserve.prefix_index import PrefixIndex
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -51,12 +52,7 @@ def proxy_url(c: LocalCluster) -> str:
 
 
 def metrics(url: str) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for line in httpx.get(f"{url}/metrics").text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
+    return parse_text(httpx.get(f"{url}/metrics").text)
 
 
 def decision(c: LocalCluster, reason: str) -> float:

@@ -9,6 +9,7 @@ import pytest
 from pdserve import LLM, SamplingParams
 from pdserve.cluster import ClusterConfig, LocalCluster, free_port
 from pdserve.config import ModelConfig
+from pdserve.metrics import parse_text
 
 MODEL = "SmolLM2-135M-Instruct"
 MAX_TOKENS = 12
@@ -53,12 +54,7 @@ def reference(llm: LLM, conversations: list[list[dict]]) -> list[str]:
 
 
 def metrics(url: str) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for line in httpx.get(f"{url}/metrics").text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
+    return parse_text(httpx.get(f"{url}/metrics").text)
 
 
 def decisions(url: str) -> dict[str, float]:

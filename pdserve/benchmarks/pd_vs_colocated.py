@@ -22,19 +22,14 @@ from pathlib import Path
 
 import httpx
 
+from pdserve.benchmarks.serve_metrics import percentile
 from pdserve.cluster import ClusterConfig, LocalCluster, free_port
 from pdserve.config import ModelConfig
 
 
 def _stats(xs: list[float]) -> dict[str, float]:
-    xs = sorted(xs)
-
-    def pct(q: float) -> float:
-        k = (len(xs) - 1) * q
-        lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
-        return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
-
-    return {"mean": statistics.fmean(xs), "p50": pct(0.5), "p90": pct(0.9), "p99": pct(0.99), "max": xs[-1]}
+    stats = {f"p{q}": percentile(xs, q) for q in (50, 90, 99)}
+    return {"mean": statistics.fmean(xs), **stats, "max": max(xs)}
 
 
 async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], output_len: int):

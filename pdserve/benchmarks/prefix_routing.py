@@ -26,8 +26,10 @@ from pathlib import Path
 
 import httpx
 
+from pdserve.benchmarks.serve_metrics import percentile
 from pdserve.cluster import ClusterConfig, LocalCluster, free_port
 from pdserve.config import DEFAULT_MODEL, ModelConfig
+from pdserve.metrics import parse_text
 
 SYLLABLES = ("ka", "lo", "mi", "ne", "ru", "sa", "ti", "vo")
 WORDS = tuple(a + b + c for a in SYLLABLES for b in SYLLABLES for c in ("n", "r", "s", "l"))
@@ -53,12 +55,7 @@ def workload(num_prefixes: int, num_questions: int, system_words: int, seed: int
 
 
 def _metrics(url: str) -> dict[str, float]:
-    out = {}
-    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
+    return parse_text(httpx.get(f"{url}/metrics", timeout=10).text)
 
 
 async def _stream_chat(client: httpx.AsyncClient, url: str, model: str, messages, max_tokens: int):
@@ -98,13 +95,6 @@ async def _drive(url: str, model: str, convs, max_tokens: int, concurrency: int)
         return await asyncio.gather(*(one(c) for c in convs))
 
 
-def _percentile(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    k = (len(xs) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
-
-
 def run_policy(policy: str, convs, args: argparse.Namespace) -> dict:
     log_dir = tempfile.mkdtemp(prefix=f"pdserve-bench-{policy}-")
     cfg = ClusterConfig(
@@ -141,8 +131,8 @@ def run_policy(policy: str, convs, args: argparse.Namespace) -> dict:
             per_node[u]["pdserve_prompt_tokens_computed_total"] for u in cluster.node_urls("prefill")
         ],
         "prefix_hit_tokens": sum(m["pdserve_prefix_cache_hit_tokens_total"] for m in per_node.values()),
-        "ttft_p50_s": _percentile(ttfts, 0.5),
-        "ttft_p90_s": _percentile(ttfts, 0.9),
+        "ttft_p50_s": percentile(ttfts, 50),
+        "ttft_p90_s": percentile(ttfts, 90),
         "ttft_mean_s": statistics.fmean(ttfts),
         "wall_s": wall,
         "decisions": decisions,
