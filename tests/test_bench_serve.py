@@ -16,6 +16,7 @@ import pytest
 
 from pdserve.cluster import ClusterConfig, LocalCluster, free_port
 from pdserve.config import ModelConfig
+from pdserve.metrics import parse_text
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -36,13 +37,7 @@ def _url(c: LocalCluster, role: str) -> str:
 
 
 def _scrape(url: str) -> dict[str, float]:
-    """Every sample of a Prometheus text page, keyed by name with its labels."""
-    out = {}
-    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
+    return parse_text(httpx.get(f"{url}/metrics", timeout=10).text)
 
 
 class ServerCounts:

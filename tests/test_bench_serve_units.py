@@ -31,7 +31,7 @@ from pdserve.benchmarks.serve_metrics import (
     percentile,
     summarize,
 )
-from pdserve.benchmarks.serve_report import jsonable
+from pdserve.benchmarks.serve_report import jsonable, record_from_json, record_json
 
 
 def rec(
@@ -145,6 +145,12 @@ def test_max_goodput_rate_is_the_highest_rate_meeting_the_target():
     assert max_goodput_rate([(1.0, 0.5), (2.0, None)]) is None
     assert max_goodput_rate([(1.0, 1.0), (math.inf, 1.0)]) == 1.0  # everything-at-once is no rate
     assert max_goodput_rate([]) is None
+
+
+def test_records_round_trip_through_json():
+    r = rec(0.25, 1.0, 4, itl=[0.25, 0.25, 0.25])
+    assert record_from_json(json.loads(json.dumps(record_json(r, detailed=True)))) == r
+    assert record_from_json(record_json(r, detailed=False)).itl_s == ()
 
 
 def test_jsonable_replaces_non_finite_numbers():
@@ -308,5 +314,6 @@ def test_plots_from_records(tmp_path):
 
     records = [rec(0.1 * i, 0.1 * i + 1.0, 5, itl=[0.25] * 4) for i in range(1, 6)]
     cdf = plot_latency_cdfs([("a", records), ("b", records[:2])], SLO(300, 400), tmp_path / "c.png")
-    sweep = plot_sweep([1.0, 2.0, math.inf], [1.0, 0.5, 0.1], [10.0, 15.0, 16.0], 0.9, tmp_path / "s.png")
+    series = [("x", [1.0, 2.0, math.inf], [1.0, 0.5, 0.1], [10.0, 15.0, 16.0]), ("y", [1.0], [None], [9.0])]
+    sweep = plot_sweep(series, 0.9, tmp_path / "s.png")
     assert cdf.read_bytes()[:4] == sweep.read_bytes()[:4] == b"\x89PNG"

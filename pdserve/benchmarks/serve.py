@@ -17,7 +17,8 @@ next seed), so that no run is served from a prefix cache that an earlier run fil
 file is the same at every rate.
 
 Exit status: 0 when the run finished and some request succeeded, 1 when every request
-failed, 2 for bad arguments or a server that never answered ``/v1/models``.
+failed, 2 for bad arguments or a server that never answered (``/health`` when ``--model``
+is given, else ``/v1/models``).
 """
 
 from __future__ import annotations
@@ -77,7 +78,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "counting prompt tokens when the server sends no usage",
     )
     server.add_argument("--request-timeout-s", type=float, default=600.0)
-    server.add_argument("--ready-timeout-s", type=float, default=60.0, help="wait this long for /v1/models")
+    server.add_argument(
+        "--ready-timeout-s",
+        type=float,
+        default=60.0,
+        help="wait this long for the server: /health with --model, else /v1/models",
+    )
 
     data = parser.add_argument_group("workload (see pdserve/benchmarks/serve_datasets.py)")
     data.add_argument("--dataset", "--dataset-name", default=d.name, choices=datasets.DATASETS)
@@ -186,19 +192,27 @@ def _base_url(url: str) -> str:
     return url[: -len("/v1")] if url.endswith("/v1") else url
 
 
-async def _served_model(client: httpx.AsyncClient, base: str, headers: dict, timeout_s: float) -> str:
-    """The first model of /v1/models, polling until the server answers; raises TimeoutError."""
+async def _wait_ready(
+    client: httpx.AsyncClient, base: str, headers: dict, timeout_s: float, model: str
+) -> str:
+    """Poll the server until it answers; returns the model name to send.
+
+    With ``--model`` given, ``/health`` is enough (``transformers serve`` lists only the HF hub
+    cache in /v1/models, so a model served from a folder is not there); otherwise the first
+    model of ``/v1/models``. Raises TimeoutError.
+    """
     deadline = time.monotonic() + timeout_s
+    path = "/health" if model else "/v1/models"
     while True:
         try:
-            resp = await client.get(f"{base}/v1/models", headers=headers)
+            resp = await client.get(f"{base}{path}", headers=headers)
             if resp.status_code == 200:
-                return resp.json()["data"][0]["id"]
+                return model or resp.json()["data"][0]["id"]
             last = f"HTTP {resp.status_code}"
         except (httpx.HTTPError, ValueError, KeyError, IndexError) as exc:
             last = f"{type(exc).__name__}: {exc}"
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{base}/v1/models did not answer in {timeout_s:g} s ({last})")
+            raise TimeoutError(f"{base}{path} did not answer in {timeout_s:g} s ({last})")
         await asyncio.sleep(0.5)
 
 
@@ -260,8 +274,8 @@ async def _bench(args: argparse.Namespace, plan: LoadPlan, dcfg: datasets.Datase
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
         key_headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-        served = await _served_model(client, base, key_headers, args.ready_timeout_s)
-        opts = _request_options(args, args.model or served)
+        model = await _wait_ready(client, base, key_headers, args.ready_timeout_s, args.model)
+        opts = _request_options(args, model)
         tokenizer = await asyncio.to_thread(_load_tokenizer, args.tokenizer)
         count_prompt = _prompt_counter(tokenizer, opts.chat)
         if plan.num_warmups:

@@ -53,29 +53,31 @@ def plot_latency_cdfs(runs: Sequence[tuple[str, Sequence[RequestRecord]]], slo: 
 
 
 def plot_sweep(
-    rates: Sequence[float],
-    attainment: Sequence[float | None],
-    output_throughput: Sequence[float],
+    series: Sequence[tuple[str, Sequence[float], Sequence[float | None], Sequence[float]]],
     target: float,
     path: Path,
 ) -> Path:
-    """SLO attainment and output throughput against the offered request rate."""
+    """SLO attainment and output throughput against the offered request rate.
+
+    ``series``: one (label, rates, attainments, output tokens/s) per server or configuration.
+    """
     plt = _pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    finite = [i for i, r in enumerate(rates) if math.isfinite(r)]  # "all at once" has no place on an axis
-    shown = [(rates[i], attainment[i]) for i in finite if attainment[i] is not None]
-    if shown:
-        left.plot([r for r, _ in shown], [a * 100 for _, a in shown], marker="o", label="SLO attainment")
+    for label, rates, attainment, throughput in series:
+        finite = [i for i, r in enumerate(rates) if math.isfinite(r)]  # "all at once" has no place on an axis
+        shown = [(rates[i], attainment[i]) for i in finite if attainment[i] is not None]
+        if shown:
+            left.plot([r for r, _ in shown], [a * 100 for _, a in shown], marker="o", label=label)
+        right.plot([rates[i] for i in finite], [throughput[i] for i in finite], marker="o", label=label)
     left.axhline(target * 100, color="gray", linestyle="--", label=f"target {target:.0%}")
     left.set_xlabel("request rate (req/s)")
     left.set_ylabel("requests meeting both SLOs (%)")
     left.set_ylim(0, 102)
-    left.grid(alpha=0.3)
-    left.legend(fontsize=8)
-    right.plot([rates[i] for i in finite], [output_throughput[i] for i in finite], marker="o")
     right.set_xlabel("request rate (req/s)")
     right.set_ylabel("output tokens/s")
-    right.grid(alpha=0.3)
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
     fig.suptitle("pdserve bench serve: goodput sweep")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

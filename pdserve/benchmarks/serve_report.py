@@ -44,6 +44,14 @@ def record_json(r: RequestRecord, detailed: bool) -> dict:
     return out
 
 
+def record_from_json(d: dict) -> RequestRecord:
+    """The inverse of ``record_json`` (ITLs only where they were saved)."""
+    fields = {f.name for f in dataclasses.fields(RequestRecord)}
+    values = {k: v for k, v in d.items() if k in fields}
+    values["itl_s"] = tuple(d.get("itl_s") or ())
+    return RequestRecord(**values)
+
+
 def run_json(run: RateRun, detailed: bool) -> dict:
     return {
         "request_rate": rate_name(run.rate),
@@ -101,13 +109,9 @@ def write_plots(runs: Sequence[RateRun], slo: SLO, label: str, target: float, ou
     named = [(f"{label} @ {rate_name(run.rate)} req/s", run.result.records) for run in runs]
     paths = [serve_plots.plot_latency_cdfs(named, slo, out / f"{label}_latency_cdf.png")]
     if len(runs) > 1:
-        paths.append(
-            serve_plots.plot_sweep(
-                [run.rate for run in runs],
-                [run.summary.slo_attainment for run in runs],
-                [run.summary.output_throughput for run in runs],
-                target,
-                out / f"{label}_goodput_sweep.png",
-            )
-        )
+        rates = [run.rate for run in runs]
+        attainment = [run.summary.slo_attainment for run in runs]
+        throughput = [run.summary.output_throughput for run in runs]
+        series = [(label, rates, attainment, throughput)]
+        paths.append(serve_plots.plot_sweep(series, target, out / f"{label}_goodput_sweep.png"))
     return [str(p) for p in paths]
