@@ -317,3 +317,15 @@ def test_plots_from_records(tmp_path):
     series = [("x", [1.0, 2.0, math.inf], [1.0, 0.5, 0.1], [10.0, 15.0, 16.0]), ("y", [1.0], [None], [9.0])]
     sweep = plot_sweep(series, 0.9, tmp_path / "s.png")
     assert cdf.read_bytes()[:4] == sweep.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_jsonl_sweep_runs_take_their_own_slices(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(f'{{"prompt": [{i}, 1, 2]}}\n' for i in range(10)))
+    runs = [
+        build_dataset(DatasetConfig(name="jsonl", path=str(path), num_prompts=3, run_index=i))
+        for i in range(4)
+    ]
+    heads = [[c.turns[0].content[0] for c in run] for run in runs]
+    assert heads[:3] == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+    assert heads[3] == [9, 0, 1]  # wraps, with a warning

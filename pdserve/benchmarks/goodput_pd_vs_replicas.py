@@ -25,10 +25,10 @@ from pdserve.cluster import ClusterConfig, LocalCluster, free_port
 from pdserve.config import ModelConfig
 
 
-def write_workload(path: Path, args) -> None:
+def write_workload(path: Path, args, num_lines: int) -> None:
     rng = random.Random(args.seed)
     with open(path, "w") as f:
-        for _ in range(args.num_prompts):
+        for _ in range(num_lines):
             n = rng.randint(args.input_min, args.input_max)
             line = {
                 "prompt": [rng.randrange(10, args.vocab) for _ in range(n)],
@@ -37,24 +37,30 @@ def write_workload(path: Path, args) -> None:
             f.write(json.dumps(line) + "\n")
 
 
+def bench_sweep(url: str, workload: Path, out_dir: Path, name: str, args) -> dict:
+    """``pdserve bench serve`` over ``args.rates`` against ``url``: token-id prompts from
+    ``workload`` (``args.num_prompts`` per rate, each rate its own slice of the file), one chunk
+    per step (``logprobs: 0``), SLOs from ``args``; returns its JSON."""
+    result = out_dir / f"{name}.json"
+    cmd = [sys.executable, "-m", "pdserve", "bench", "serve", "--base-url", url]
+    cmd += ["--endpoint", "/v1/completions", "--dataset", "jsonl", "--dataset-path", str(workload)]
+    cmd += ["--num-prompts", str(args.num_prompts), "--sweep-rates", args.rates]
+    cmd += ["--slo-ttft-ms", str(args.slo_ttft_ms), "--slo-tpot-ms", str(args.slo_tpot_ms)]
+    cmd += ["--extra-body", '{"logprobs": 0}', "--num-warmups", "2", "--seed", str(args.seed)]
+    cmd += ["--label", name, "--disable-tqdm", "--output-json", str(result)]
+    if importlib.util.find_spec("matplotlib") is not None:
+        cmd += ["--plot-dir", str(out_dir / name)]
+    subprocess.run(cmd, check=True)
+    return json.loads(result.read_text())
+
+
 def run_shape(name: str, cfg: ClusterConfig, workload: Path, out_dir: Path, args) -> dict:
     flags = ["--model", args.model, *args.engine_flags.split()]
     cluster = LocalCluster(cfg, flags, ModelConfig(args.model))
     try:
-        url = cluster.start()
-        result = out_dir / f"{name}.json"
-        cmd = [sys.executable, "-m", "pdserve", "bench", "serve", "--base-url", url]
-        cmd += ["--endpoint", "/v1/completions", "--dataset", "jsonl", "--dataset-path", str(workload)]
-        cmd += ["--sweep-rates", args.rates, "--slo-ttft-ms", str(args.slo_ttft_ms)]
-        cmd += ["--slo-tpot-ms", str(args.slo_tpot_ms), "--extra-body", '{"logprobs": 0}']
-        cmd += ["--num-warmups", "2", "--seed", str(args.seed), "--label", name, "--disable-tqdm"]
-        cmd += ["--output-json", str(result)]
-        if importlib.util.find_spec("matplotlib") is not None:
-            cmd += ["--plot-dir", str(out_dir / name)]
-        subprocess.run(cmd, check=True)
+        return bench_sweep(cluster.start(), workload, out_dir, name, args)
     finally:
         cluster.stop()
-    return json.loads(result.read_text())
 
 
 def main() -> None:
@@ -62,7 +68,7 @@ def main() -> None:
     p.add_argument("--model", default="random:llama-3-8b")
     p.add_argument("--gpus", default="0,1")
     p.add_argument("--rates", default="2,4,8,12")
-    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--num-prompts", type=int, default=64, help="requests per rate")
     p.add_argument("--input-min", type=int, default=1024)
     p.add_argument("--input-max", type=int, default=4096)
     p.add_argument("--output-min", type=int, default=128)
@@ -77,7 +83,9 @@ def main() -> None:
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     workload = out_dir / "workload.jsonl"
-    write_workload(workload, args)
+    # Every rate (and the warmups) gets prompts of its own: a prefix cache must not serve a rate
+    # from an earlier rate's requests.
+    write_workload(workload, args, args.num_prompts * (len(args.rates.split(",")) + 1))
     common = dict(threads_per_node=4, routing="least-loaded", startup_timeout_s=600.0, redis_url="none")
     shapes = {
         "1P1D": ClusterConfig(

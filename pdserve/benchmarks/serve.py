@@ -13,8 +13,9 @@ server's usage (``stream_options.include_usage``) when it sends one. Definitions
 ``--sweep-rates 1,2,4`` runs the workload at each rate in turn and reports the highest rate
 at which at least 90 % of requests meet both SLOs (DistServe's goodput). Each rate gets the
 same workload shape with its own prompts (``--seed`` + the rate's index; warmups get the
-next seed), so that no run is served from a prefix cache that an earlier run filled; a jsonl
-file is the same at every rate.
+next seed), so that no run is served from a prefix cache that an earlier run filled; with a
+jsonl file and ``--num-prompts N``, run i takes lines i*N to (i+1)*N - 1 (warmups the slice after
+the last run), so give it N * (rates + 1) lines.
 
 Exit status: 0 when the run finished and some request succeeded, 1 when every request
 failed, 2 for bad arguments or a server that never answered (``/health`` when ``--model``
@@ -257,7 +258,7 @@ def _command_line() -> str:
 def _run_dataset(dcfg: datasets.DatasetConfig, index: int) -> datasets.DatasetConfig:
     """The workload of the index-th run of a sweep: same shape, its own prompts (seed + index), so
     that a server's prefix cache does not carry one rate's prompts into the next."""
-    return dataclasses.replace(dcfg, seed=dcfg.seed + index)
+    return dataclasses.replace(dcfg, seed=dcfg.seed + index, run_index=index)
 
 
 @dataclasses.dataclass(frozen=True)

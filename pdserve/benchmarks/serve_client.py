@@ -77,6 +77,9 @@ class _Stream:
     itl: list[float] = field(default_factory=list)
     num_chunks: int = 0
     parts: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    """Output token ids where the server names them in logprobs as ``token_id:N`` (pdserve for a
+    model without a tokenizer; vLLM with ``return_tokens_as_token_ids``)."""
     usage: dict[str, Any] | None = None
     error: str = ""
 
@@ -113,9 +116,18 @@ class _Stream:
             # A chunk that carries logprobs is a step even without text (a model without a
             # tokenizer, prompted with token ids and `"logprobs": 0` in --extra-body).
             logprobs = choice.get("logprobs") or {}
-            if piece or logprobs.get("tokens") or logprobs.get("content"):
+            tokens = logprobs.get("tokens") or [c.get("token", "") for c in logprobs.get("content") or ()]
+            self.token_ids.extend(_token_id(t) for t in tokens if t.startswith(TOKEN_ID_PREFIX))
+            if piece or tokens:
                 self.text_arrived(piece)
         return True
+
+
+TOKEN_ID_PREFIX = "token_id:"
+
+
+def _token_id(token: str) -> int:
+    return int(token[len(TOKEN_ID_PREFIX) :])
 
 
 def _message(payload: Any) -> str:
@@ -129,10 +141,12 @@ def _message(payload: Any) -> str:
 
 @dataclass(frozen=True)
 class Reply:
-    """A finished request: its record, and the answer text (the next turn's history)."""
+    """A finished request: its record, and the answer (the next turn's history) as text and, where
+    the server named them, as token ids."""
 
     record: RequestRecord
     text: str
+    token_ids: tuple[int, ...] = ()
 
 
 async def send(
@@ -186,4 +200,4 @@ async def send(
         conversation=conversation,
         turn=turn,
     )
-    return Reply(record, "".join(s.parts))
+    return Reply(record, "".join(s.parts), tuple(s.token_ids))

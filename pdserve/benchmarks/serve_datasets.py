@@ -21,20 +21,26 @@ arrived, with the earlier turns and their answers in front of it.
     - ``"messages": [{"role": ..., "content": ...}, ...]``: one request with this history,
       ending with a user message;
     - ``"turns": ["...", "..."]`` and optionally ``"system": "..."``: a multi-turn
-      conversation, one user turn per string;
+      conversation, one user turn per string; or ``"turns": [[ids], [ids]]`` and ``"system":
+      [ids]``, a token-id conversation on /v1/completions whose history carries each answer's
+      token ids (read from ``"logprobs": 0`` chunks as ``token_id:N``);
   and optionally ``"output_len"`` (or ``"max_tokens"``): an int, or for ``turns`` a list of
   ints (one per turn); ``--output-len`` otherwise. Blank lines are skipped.
 
-``--num-prompts`` cuts a dataset (or repeats it, for jsonl) to that many conversations.
+``--num-prompts`` cuts a dataset (or repeats it, for jsonl) to that many conversations; the
+runs of a rate sweep take consecutive slices of a jsonl file (``DatasetConfig.run_index``).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 DATASETS = ("random", "shared-prefix", "multi-turn", "jsonl")
 
@@ -98,6 +104,9 @@ class DatasetConfig:
     num_turns: int = 3
     path: str = ""
     seed: int = 0
+    run_index: int = 0
+    """Which run of a rate sweep this is: a jsonl file gives run i its lines from
+    i * num_prompts on (wrapping), so that no run finds an earlier run's prompts cached."""
 
     def __post_init__(self) -> None:
         if self.name not in DATASETS:
@@ -172,6 +181,16 @@ def _output_lens(line: dict, default: int, n: int, where: str) -> list[int]:
     return values
 
 
+def _token_ids(value: object, where: str) -> tuple[int, ...]:
+    if not (
+        isinstance(value, list)
+        and value
+        and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)
+    ):
+        raise ValueError(f"{where}: token-id turns and system prompts must be non-empty lists of ints >= 0")
+    return tuple(value)
+
+
 def parse_jsonl_line(line: dict, default_output_len: int, where: str = "jsonl") -> Conversation:
     """One line of a jsonl dataset (fields in the module docstring) as a conversation."""
     if not isinstance(line, dict):
@@ -192,9 +211,16 @@ def parse_jsonl_line(line: dict, default_output_len: int, where: str = "jsonl") 
         (n,) = _output_lens(line, default_output_len, 1, where)
         return Conversation((Turn(msgs[-1].content, n),), tuple(msgs[:-1]))
     if isinstance(line.get("turns"), list) and line["turns"]:
-        texts = [str(t) for t in line["turns"]]
+        turns = line["turns"]
+        system = line.get("system")
+        if any(isinstance(t, list) for t in [*turns, system]):
+            texts = [_token_ids(t, where) for t in turns]
+            system = _token_ids(system, where) if system else None
+        else:
+            texts = [str(t) for t in turns]
+            system = str(system) if system else None
         lens = _output_lens(line, default_output_len, len(texts), where)
-        preamble = (Message("system", str(line["system"])),) if line.get("system") else ()
+        preamble = (Message("system", system),) if system else ()
         return Conversation(tuple(Turn(t, n) for t, n in zip(texts, lens)), preamble)
     raise ValueError(f"{where}: a line needs 'prompt', 'messages' or 'turns'")
 
@@ -212,7 +238,17 @@ def _jsonl(cfg: DatasetConfig) -> list[Conversation]:
     if not out:
         raise ValueError(f"{cfg.path}: no requests")
     if cfg.num_prompts:
-        out = [out[i % len(out)] for i in range(cfg.num_prompts)]
+        start = cfg.run_index * cfg.num_prompts
+        if start + cfg.num_prompts > len(out):
+            logger.warning(
+                "%s has %d requests, fewer than the %d that run %d needs: prompts repeat, and a "
+                "server's prefix cache may hold them from an earlier run",
+                cfg.path,
+                len(out),
+                start + cfg.num_prompts,
+                cfg.run_index,
+            )
+        out = [out[(start + i) % len(out)] for i in range(cfg.num_prompts)]
     return out
 
 
@@ -231,9 +267,9 @@ def build_dataset(cfg: DatasetConfig, tokenizer=None) -> list[Conversation]:
 
 def render_prompt(messages: Sequence[Message]) -> str | list[int]:
     """What /v1/completions gets for a message list: the contents, one paragraph each, or the
-    token ids of a single token-id message."""
+    token ids of token-id messages end to end (a multi-turn history: system, user, answer, ...)."""
     if any(isinstance(m.content, tuple) for m in messages):
-        if len(messages) != 1:
-            raise ValueError("a token-id prompt is a single-turn /v1/completions request")
-        return list(messages[0].content)
+        if not all(isinstance(m.content, tuple) for m in messages):
+            raise ValueError("a history mixes token-id and text messages")
+        return [t for m in messages for t in m.content]
     return "\n\n".join(m.content for m in messages)

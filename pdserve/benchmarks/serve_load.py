@@ -89,7 +89,8 @@ async def offer(
             if not reply.record.success:
                 skipped += len(conv.turns) - turn_index - 1
                 return
-            history.append(Message("assistant", reply.text))
+            tokens = isinstance(turn.content, tuple)
+            history.append(Message("assistant", reply.token_ids if tokens else reply.text))
 
     await asyncio.gather(*(converse(i, c) for i, c in enumerate(conversations)))
     return LoadResult(tuple(records), time.perf_counter() - t0, skipped)
