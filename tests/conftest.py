@@ -16,13 +16,37 @@ if not torch.cuda.is_available():
 torch.set_num_threads(int(os.environ.get("PDSERVE_TEST_THREADS", "2")))
 
 
+def _slow_enabled(config) -> bool:
+    return os.environ.get("PDSERVE_SLOW") == "1" or "slow" in (config.getoption("-m", default="") or "")
+
+
 def pytest_collection_modifyitems(config, items):
+    if not _slow_enabled(config):
+        skip_slow = pytest.mark.skip(reason="slow: set PDSERVE_SLOW=1 or pass -m slow")
+        for item in items:
+            if "slow" in item.keywords:
+                item.add_marker(skip_slow)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """The fault-injection suite's table (tests/faults.py), when its scenarios ran."""
+    import sys
+
+    faults = sys.modules.get("tests.faults")
+    if faults is None or not faults.RESULTS:
+        return
+    terminalreporter.section("fault injection: every request ends, no block leaks")
+    for line in faults.format_table(faults.RESULTS).splitlines():
+        terminalreporter.write_line(line)
+    report = os.environ.get("PDSERVE_FAULT_REPORT") or faults.REPORT_PATH
+    if report:
+        terminalreporter.write_line(f"report: {report}")
 
 
 @pytest.fixture(scope="session")

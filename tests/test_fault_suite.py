@@ -1,0 +1,81 @@
+"""Fault-injection and soak suite (issue #8): kill -9 of a prefill node, a decode node, Redis and
+the proxy under load; slow and stalled KV transfers; dropped connections; random client aborts.
+
+After each scenario every request has ended (completed, errored or aborted by its client; none
+hung), every surviving node's KV pool is back at its idle free count, and the cluster serves a
+fresh request. The scenarios share one cluster, the damaging kills last; the summary table
+prints at the end of the run (tests/conftest.py). The 2,000-request soak is marked slow:
+``PDSERVE_SLOW=1`` or ``-m slow`` runs it; ``python -m pdserve.benchmarks.soak`` runs them all at
+full size.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests import faults
+from tests.faults import ScenarioResult
+
+
+@pytest.fixture(scope="module")
+def fc(default_model_dir, tmp_path_factory):
+    faults.REPORT_PATH = tmp_path_factory.getbasetemp() / "fault_report.json"
+    with faults.fault_cluster(str(tmp_path_factory.mktemp("fault-logs"))) as fc:
+        yield fc
+
+
+def check(result: ScenarioResult, sent: int, no_errors: bool = False) -> None:
+    where = f"{result.scenario}: {result}"
+    assert result.sent == sent, where
+    assert result.hung == 0, where
+    assert result.leaked_blocks == 0 and result.busy_requests == 0, where
+    assert result.served_after, where
+    assert result.completed > 0, where
+    if no_errors:
+        assert result.errored == 0, where
+
+
+def test_client_aborts(fc):
+    check(faults.client_aborts(fc, 250), 250, no_errors=True)
+
+
+@pytest.mark.slow
+def test_client_aborts_soak(fc):
+    check(faults.client_aborts(fc, 2000, seed=11), 2000, no_errors=True)
+
+
+def test_dropped_connections(fc):
+    check(faults.dropped_connections(fc, 80), 80)
+
+
+def test_slow_kv_transfer(fc):
+    check(faults.slow_kv(fc, 60), 60, no_errors=True)
+
+
+def test_stalled_kv_transfer(fc):
+    check(faults.stalled_kv(fc, 40), 40)
+
+
+def test_redis_killed_under_load(fc):
+    if fc.cluster.redis is None:
+        pytest.skip("no redis-server")
+    # Redis down means load-based routing, not failed requests (DESIGN.md).
+    check(faults.redis_kill(fc, 80), 80, no_errors=True)
+
+
+def test_proxy_killed_under_load(fc):
+    result = faults.proxy_kill(fc, 80)
+    check(result, 80)
+    assert result.errored > 0, result  # its clients did see the kill
+
+
+def test_prefill_node_killed_under_load(fc):
+    if len(fc.alive("prefill")) < 2:
+        pytest.skip("needs two live prefill nodes")
+    check(faults.prefill_kill(fc, 60), 60)
+
+
+def test_decode_node_killed_under_load(fc):
+    if len(fc.alive("decode")) < 2:
+        pytest.skip("needs two live decode nodes")
+    check(faults.decode_kill(fc, 60), 60)
