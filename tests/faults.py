@@ -23,6 +23,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import threading
@@ -63,6 +64,9 @@ class ScenarioResult:
     hung: int = 0
     leaked_blocks: int = 0
     busy_requests: int = 0  # running + waiting + waiting_for_kv left on nodes after settling
+    slowest_s: float = 0.0  # the longest any request took to end (aborted ones aside)
+    settle_s: float = 0.0  # from the last request's end until every pool was idle
+    probe_s: float = 0.0  # how long the fresh requests after the scenario took (retries included)
     served_after: bool = False
     duration_s: float = 0.0
     errors: dict[str, int] = field(default_factory=dict)  # error kind -> count
@@ -75,6 +79,8 @@ class ScenarioResult:
         self.errored += counts[ERRORED]
         self.aborted += counts[ABORTED]
         self.hung += counts[HUNG]
+        ended = [o.seconds for o in outcomes if o.kind != ABORTED]
+        self.slowest_s = max([self.slowest_s, *ended])
         errors = Counter(self.errors)
         errors.update(o.detail for o in outcomes if o.kind in (ERRORED, HUNG))
         self.errors = dict(errors.most_common())
@@ -89,6 +95,7 @@ COLUMNS = (
     ("hung", "hung"),
     ("leaked_blocks", "leaked blocks"),
     ("served_after", "serves after"),
+    ("slowest_s", "slowest s"),
     ("duration_s", "seconds"),
 )
 
@@ -116,6 +123,7 @@ def format_table(rows: list[ScenarioResult]) -> str:
             setattr(total, key, getattr(total, key) + getattr(r, key))
     total.served_after = all(r.served_after for r in rows)
     total.duration_s = sum(r.duration_s for r in rows)
+    total.slowest_s = max([0.0, *(r.slowest_s for r in rows)])
     out += ["  ".join("-" * w for w in widths), fmt([cell(total, k) for k, _ in COLUMNS])]
     for r in rows:
         if r.errors:
@@ -198,6 +206,13 @@ def _body(spec: Spec) -> tuple[str, dict]:
     return "/v1/completions", {**common, "prompt": spec.prompt}
 
 
+def _error_kind(prefix: str, error: object) -> str:
+    """An error's kind for counting: its message without URLs, ids and numbers."""
+    message = error.get("message", "") if isinstance(error, dict) else str(error)
+    message = re.sub(r"https?://\S+|\d+(\.\d+)?", "#", message)
+    return f"{prefix}: {message[:90]}"
+
+
 def _has_output(body: dict) -> bool:
     choices = body.get("choices") or []
     usage = body.get("usage") or {}
@@ -206,6 +221,13 @@ def _has_output(body: dict) -> bool:
         and choices[0].get("finish_reason") is not None
         and usage.get("completion_tokens", 0) > 0
     )
+
+
+def _json_error(response: httpx.Response) -> object:
+    try:
+        return response.json().get("error", "")
+    except (ValueError, AttributeError):
+        return response.text
 
 
 class Load:
@@ -299,12 +321,12 @@ class Load:
             else:
                 response = await request
             if response.status_code != 200:
-                return ERRORED, f"http {response.status_code}"
+                return ERRORED, _error_kind(f"http {response.status_code}", _json_error(response))
             return (COMPLETED, "") if _has_output(response.json()) else (ERRORED, "200 without output")
         async with client.stream("POST", url, json=body) as response:
             if response.status_code != 200:
                 await response.aread()
-                return ERRORED, f"http {response.status_code}"
+                return ERRORED, _error_kind(f"http {response.status_code}", _json_error(response))
             chunks = 0
             async for line in response.aiter_lines():
                 if not line.startswith("data: "):
@@ -314,7 +336,7 @@ class Load:
                     return (COMPLETED, "") if chunks else (ERRORED, "[DONE] without output")
                 event = json.loads(data)
                 if "error" in event:
-                    return ERRORED, f"stream error {event['error'].get('code', '')}".strip()
+                    return ERRORED, _error_kind("stream error", event["error"])
                 if event.get("choices"):
                     chunks += 1
                 if 0 <= spec.abort_after_chunks <= chunks:
@@ -627,7 +649,9 @@ class FaultCluster:
             result.notes += f" not idle after {self.settle_s:.0f} s: {loads}"
         if after is not None:
             after()
+        probed = time.monotonic()
         result.served_after, why = probe(self.proxy_url)
+        result.probe_s = time.monotonic() - probed
         if not result.served_after:
             result.notes += f" probe failed: {why}"
         result.duration_s = time.monotonic() - start
@@ -639,13 +663,13 @@ def _wait_done(load: Load) -> None:
     load.wait_until(lambda: load.num_finished >= len(load.specs), 600, "the end of the load")
 
 
-def client_aborts(fc: FaultCluster, num_requests: int = 250, seed: int = 1) -> ScenarioResult:
+def client_aborts(fc: FaultCluster, num_requests: int, seed: int = 1) -> ScenarioResult:
     """Half the clients hang up: streams after 0-4 chunks, plain requests after 0-1.5 s."""
     specs = make_specs(num_requests, seed, abort_fraction=0.5)
     return fc.run(f"client aborts ({num_requests})", specs, concurrency=24)
 
 
-def dropped_connections(fc: FaultCluster, num_requests: int = 80, seed: int = 2) -> ScenarioResult:
+def dropped_connections(fc: FaultCluster, num_requests: int, seed: int = 2) -> ScenarioResult:
     """A second proxy reaches one prefill and one decode node through relays that reset a random
     connection (a token stream mid-flight if one is) every 0.3 s."""
     prefill, decode_ = fc.alive("prefill")[0], fc.alive("decode")[0]
@@ -690,7 +714,7 @@ def dropped_connections(fc: FaultCluster, num_requests: int = 80, seed: int = 2)
                 kill9(relayed.proc)
 
 
-def slow_kv(fc: FaultCluster, num_requests: int = 60, seed: int = 3) -> ScenarioResult:
+def slow_kv(fc: FaultCluster, num_requests: int, seed: int = 3) -> ScenarioResult:
     """A prefill node freezes for 0.4 s in every 0.8 s (well inside the lease): KV arrives late,
     every request still completes."""
     victim = fc.alive("prefill")[0]
@@ -704,7 +728,7 @@ def slow_kv(fc: FaultCluster, num_requests: int = 60, seed: int = 3) -> Scenario
     return fc.run("slow KV transfer", specs, inject)
 
 
-def stalled_kv(fc: FaultCluster, num_requests: int = 40, seed: int = 4) -> ScenarioResult:
+def stalled_kv(fc: FaultCluster, num_requests: int, seed: int = 4) -> ScenarioResult:
     """A prefill node busy with prompts freezes for twice the lease plus a second: the decode
     node's leases run out; after SIGCONT its late KV must be refused, not land in freed blocks."""
 
@@ -719,7 +743,7 @@ def stalled_kv(fc: FaultCluster, num_requests: int = 40, seed: int = 4) -> Scena
     return fc.run("stalled KV transfer", specs, inject, concurrency=12)
 
 
-def redis_kill(fc: FaultCluster, num_requests: int = 80, seed: int = 5) -> ScenarioResult:
+def redis_kill(fc: FaultCluster, num_requests: int, seed: int = 5) -> ScenarioResult:
     """kill -9 of the prefix index's Redis under load, restarted (empty) on its port 2 s later."""
     redis = fc.cluster.redis
 
@@ -733,7 +757,7 @@ def redis_kill(fc: FaultCluster, num_requests: int = 80, seed: int = 5) -> Scena
     return fc.run("kill -9 redis", make_specs(num_requests, seed, prompt_words=(20, 60)), inject)
 
 
-def proxy_kill(fc: FaultCluster, num_requests: int = 80, seed: int = 6) -> ScenarioResult:
+def proxy_kill(fc: FaultCluster, num_requests: int, seed: int = 6) -> ScenarioResult:
     """kill -9 of the proxy under load: its clients get connection errors, every node frees what
     the dead proxy's requests held (checked before the restart), a restarted proxy serves."""
 
@@ -747,7 +771,7 @@ def proxy_kill(fc: FaultCluster, num_requests: int = 80, seed: int = 6) -> Scena
     return fc.run("kill -9 proxy", specs, inject, after=fc.restart_proxy)
 
 
-def prefill_kill(fc: FaultCluster, num_requests: int = 60, seed: int = 7) -> ScenarioResult:
+def prefill_kill(fc: FaultCluster, num_requests: int, seed: int = 7) -> ScenarioResult:
     """kill -9 of a prefill node with prompts queued or running on it."""
 
     def inject(load: Load) -> str:
@@ -759,7 +783,7 @@ def prefill_kill(fc: FaultCluster, num_requests: int = 60, seed: int = 7) -> Sce
     return fc.run("kill -9 prefill node", specs, inject, concurrency=12)
 
 
-def decode_kill(fc: FaultCluster, num_requests: int = 60, seed: int = 8) -> ScenarioResult:
+def decode_kill(fc: FaultCluster, num_requests: int, seed: int = 8) -> ScenarioResult:
     """kill -9 of a decode node with streams running on it."""
 
     def inject(load: Load) -> str:
@@ -779,10 +803,22 @@ SCENARIOS: dict[str, Callable[..., ScenarioResult]] = {
     "stalled_kv": stalled_kv,
     "redis_kill": redis_kill,
     "proxy_kill": proxy_kill,
-    "prefill_kill": prefill_kill,
     "decode_kill": decode_kill,
+    "prefill_kill": prefill_kill,
 }
 """In the order a shared cluster can run them: the kills that leave it smaller come last."""
+
+CI_SIZES = {
+    "client_aborts": 200,
+    "dropped_connections": 60,
+    "slow_kv": 50,
+    "stalled_kv": 40,
+    "redis_kill": 60,
+    "proxy_kill": 60,
+    "prefill_kill": 50,
+    "decode_kill": 60,
+}
+"""Requests per scenario in the CI run (tests/test_fault_suite.py): about three minutes on 2 cores."""
 
 TOKEN = "fault-suite-token"
 LEASE_S = 3.0

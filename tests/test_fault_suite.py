@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 
 from tests import faults
+from tests.faults import CI_SIZES as CI
 from tests.faults import ScenarioResult
 
 
@@ -36,7 +37,7 @@ def check(result: ScenarioResult, sent: int, no_errors: bool = False) -> None:
 
 
 def test_client_aborts(fc):
-    check(faults.client_aborts(fc, 250), 250, no_errors=True)
+    check(faults.client_aborts(fc, CI["client_aborts"]), CI["client_aborts"], no_errors=True)
 
 
 @pytest.mark.slow
@@ -45,37 +46,37 @@ def test_client_aborts_soak(fc):
 
 
 def test_dropped_connections(fc):
-    check(faults.dropped_connections(fc, 80), 80)
+    check(faults.dropped_connections(fc, CI["dropped_connections"]), CI["dropped_connections"])
 
 
 def test_slow_kv_transfer(fc):
-    check(faults.slow_kv(fc, 60), 60, no_errors=True)
+    check(faults.slow_kv(fc, CI["slow_kv"]), CI["slow_kv"], no_errors=True)
 
 
 def test_stalled_kv_transfer(fc):
-    check(faults.stalled_kv(fc, 40), 40)
+    check(faults.stalled_kv(fc, CI["stalled_kv"]), CI["stalled_kv"])
 
 
 def test_redis_killed_under_load(fc):
     if fc.cluster.redis is None:
         pytest.skip("no redis-server")
     # Redis down means load-based routing, not failed requests (DESIGN.md).
-    check(faults.redis_kill(fc, 80), 80, no_errors=True)
+    check(faults.redis_kill(fc, CI["redis_kill"]), CI["redis_kill"], no_errors=True)
 
 
 def test_proxy_killed_under_load(fc):
-    result = faults.proxy_kill(fc, 80)
-    check(result, 80)
+    result = faults.proxy_kill(fc, CI["proxy_kill"])
+    check(result, CI["proxy_kill"])
     assert result.errored > 0, result  # its clients did see the kill
-
-
-def test_prefill_node_killed_under_load(fc):
-    if len(fc.alive("prefill")) < 2:
-        pytest.skip("needs two live prefill nodes")
-    check(faults.prefill_kill(fc, 60), 60)
 
 
 def test_decode_node_killed_under_load(fc):
     if len(fc.alive("decode")) < 2:
         pytest.skip("needs two live decode nodes")
-    check(faults.decode_kill(fc, 60), 60)
+    check(faults.decode_kill(fc, CI["decode_kill"]), CI["decode_kill"])
+
+
+def test_prefill_node_killed_under_load(fc):
+    if len(fc.alive("prefill")) < 2:
+        pytest.skip("needs two live prefill nodes")
+    check(faults.prefill_kill(fc, CI["prefill_kill"]), CI["prefill_kill"])
