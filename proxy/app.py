@@ -10,11 +10,19 @@ Errors found before the first token (validation, no capacity, a failed prefill) 
 errors with OpenAI bodies; a streaming request that fails after its first token ends with
 an ``{"error": ...}`` event and ``[DONE]``. A client that disconnects, streaming or not,
 aborts its request on both nodes.
+
+In front of the routes, ``Gate`` (an ASGI middleware) refuses what should cost nothing to
+refuse, in this order: a missing or wrong API key on /v1/* (401), a generation request
+beyond ``max_inflight_requests`` (429 with Retry-After), a body over
+``max_request_body_bytes`` (413, counted as it streams in). Every error, down to a route that
+does not exist or an exception nobody expected, has an OpenAI body.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
+import json
 import logging
 import time
 import uuid
@@ -22,7 +30,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -204,11 +212,126 @@ class _Timing:
             self.m.generation_tokens.inc(builder.num_output_tokens)
 
 
+class ErrorJSON(JSONResponse):
+    """An error body, ASCII-escaped so that whatever text it quotes can always be encoded."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode()
+
+
 def error_response(exc: ProxyError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+    return ErrorJSON(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+# -- the gate: auth, in-flight bound, body size ------------------------------------------------
+
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+
+
+def api_key_matches(authorization: bytes, key: str) -> bool:
+    """``Authorization: Bearer <key>`` (scheme in any case), compared in constant time."""
+    scheme, _, token = authorization.strip().partition(b" ")
+    return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), key.encode())
+
+
+class BodyTooLarge(StarletteHTTPException):
+    """Raised from ``receive`` when a body outgrows the limit; FastAPI passes it on to its handler."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"the request body is larger than the limit of {limit} bytes")
+
+
+class Gate:
+    """ASGI middleware: API key, in-flight bound and body size, checked before a route runs."""
+
+    def __init__(self, app, proxy: Proxy) -> None:
+        self.app = app
+        self.proxy = proxy
+        self.num_inflight = 0  # generation requests inside the app, streams until their end
+
+    @staticmethod
+    async def _refuse(scope: Scope, send: Send, exc: ProxyError) -> None:
+        await error_response(exc)(scope, _nothing, send)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        cfg = self.proxy.config
+        path = scope["path"]
+        headers = dict(scope["headers"])  # names arrive lower-cased
+        authorization = headers.get(b"authorization", b"")
+        if cfg.api_key and path.startswith("/v1/") and not api_key_matches(authorization, cfg.api_key):
+            await self._refuse(
+                scope, send, ProxyError(401, "Incorrect API key provided.", code="invalid_api_key")
+            )
+            return
+        generation = scope["method"] == "POST" and path in GENERATION_PATHS
+        if generation and self.num_inflight >= cfg.max_inflight_requests:
+            self.proxy.metrics.requests.labels("429").inc()
+            message = f"the proxy is at its limit of {cfg.max_inflight_requests} requests in flight"
+            await self._refuse(scope, send, ProxyError(429, message, code="too_many_requests", retry_after=1))
+            return
+        limit = cfg.max_request_body_bytes
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            await self._refuse(scope, send, ProxyError(413, BodyTooLarge(limit).detail))
+            return
+        received = 0
+        started = False
+
+        async def receive_limited() -> dict:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    raise BodyTooLarge(limit)
+            return message
+
+        async def send_tracked(message: dict) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        if generation:
+            self.num_inflight += 1
+        try:
+            await self.app(scope, receive_limited, send_tracked)
+        except BodyTooLarge as exc:  # read outside a route's body parsing: answer it here
+            if started:
+                raise
+            await self._refuse(scope, send_tracked, ProxyError(413, exc.detail))
+        finally:
+            if generation:
+                self.num_inflight -= 1
+
+
+async def _nothing() -> dict:
+    return {"type": "http.disconnect"}
 
 
 # -- the proxy -------------------------------------------------------------------------------
+
+# Longer prompts are tokenized off the event loop: HF tokenizers release the GIL, and a body
+# near max_request_body_bytes takes seconds (1.9 s for 1.2 M characters on this CPU), during
+# which every other stream would stall. Shorter ones cost less than the thread hop saves.
+THREAD_TOKENIZE_CHARS = 16384
+
+
+def _num_text_chars(body: CompletionRequest | ChatCompletionRequest) -> int:
+    if isinstance(body, ChatCompletionRequest):
+        total = 0
+        for m in body.messages:
+            if isinstance(m.content, str):
+                total += len(m.content)
+            elif m.content:
+                total += sum(len(p.get("text", "")) for p in m.content if isinstance(p.get("text"), str))
+        return total
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        return len(prompt)
+    return sum(len(p) for p in prompt if isinstance(p, str))
 
 
 class Proxy:
@@ -292,11 +415,6 @@ class Proxy:
 
     # -- request handling --------------------------------------------------------------------
 
-    def check_api_key(self, request: Request) -> None:
-        key = self.config.api_key
-        if key and request.headers.get("authorization", "") != f"Bearer {key}":
-            raise ProxyError(401, "Incorrect API key provided.", code="invalid_api_key")
-
     def _prompt(self, body: CompletionRequest | ChatCompletionRequest) -> tuple[list[int], str]:
         """Token ids of the prompt, and the text echo=true puts in front of the output."""
         tok = self.tokenizer
@@ -329,10 +447,14 @@ class Proxy:
         chat = isinstance(body, ChatCompletionRequest)
         try:
             model = check_model(body.model, self.served_names)
-            prompt_ids, echo_text = self._prompt(body)
+            if _num_text_chars(body) > THREAD_TOKENIZE_CHARS:
+                prompt_ids, echo_text = await asyncio.to_thread(self._prompt, body)
+            else:
+                prompt_ids, echo_text = self._prompt(body)
             params = sampling_params(
                 body, len(prompt_ids), self.router.max_model_len, self.config.default_max_tokens
             )
+            check_token_ids(params.stop_token_ids, self.router.vocab_size, "stop_token_ids")
         except ProxyError as exc:
             timing.done(exc.status)
             return error_response(exc)
@@ -447,13 +569,21 @@ class Proxy:
 # -- the app ---------------------------------------------------------------------------------
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+def _validation_message(exc: RequestValidationError, content_type: str) -> tuple[str, str | None]:
     parts = []
     param = None
     for err in exc.errors():
-        if err.get("type") == "json_invalid":
+        kind = err.get("type")
+        if kind == "json_invalid":
             return f"the body is not valid JSON: {err.get('ctx', {}).get('error', err.get('msg'))}", None
+        if kind == "invalid_unicode":
+            return err.get("msg", "invalid Unicode"), err.get("ctx", {}).get("param")
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        if not loc and kind in ("model_attributes_type", "dict_type", "missing"):
+            if "json" not in content_type:
+                sent = f"not {content_type!r}" if content_type else "with no Content-Type"
+                return f"the body must be a JSON object sent as application/json, {sent}", None
+            return "the body must be a JSON object", None
         if param is None and loc:
             param = ".".join(loc)
         parts.append(f"{'.'.join(loc) or 'body'}: {err.get('msg')}")
@@ -477,6 +607,11 @@ def create_app(config: ProxyConfig, proxy: Proxy | None = None) -> FastAPI:
 
     app = FastAPI(title="pdserve", lifespan=lifespan)
     app.state.proxy = proxy
+    app.add_middleware(Gate, proxy=proxy)
+
+    def _count(request: Request, status: int) -> None:
+        if request.url.path in GENERATION_PATHS:
+            proxy.metrics.requests.labels(str(status)).inc()
 
     @app.exception_handler(ProxyError)
     async def _proxy_error(request: Request, exc: ProxyError):
@@ -484,26 +619,39 @@ def create_app(config: ProxyConfig, proxy: Proxy | None = None) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
-        message, param = _validation_message(exc)
-        if request.url.path in ("/v1/completions", "/v1/chat/completions"):
-            proxy.metrics.requests.labels("400").inc()
-        return JSONResponse(error_body(400, message, param=param), status_code=400)
+        message, param = _validation_message(exc, request.headers.get("content-type", ""))
+        _count(request, 400)
+        return ErrorJSON(error_body(400, message, param=param), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
-        return JSONResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code)
+        message = str(exc.detail)
+        cause = exc.__cause__
+        if isinstance(cause, UnicodeDecodeError):
+            message = f"the body is not valid UTF-8: {cause.reason} at byte {cause.start}"
+        elif isinstance(cause, RecursionError):
+            message = "the body is nested too deeply"
+        elif cause is not None:
+            message = f"the body could not be parsed: {type(cause).__name__}: {cause}"
+        if exc.status_code >= 400:
+            _count(request, exc.status_code)
+        status = exc.status_code
+        return ErrorJSON(error_body(status, message), status_code=status, headers=exc.headers)
 
-    authenticated = [Depends(proxy.check_api_key)]
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        # Starlette logs the traceback after this answers; the client gets an OpenAI body.
+        return ErrorJSON(error_body(500, f"internal error: {type(exc).__name__}"), status_code=500)
 
-    @app.post("/v1/completions", dependencies=authenticated)
+    @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await proxy.generate(body, request)
 
-    @app.post("/v1/chat/completions", dependencies=authenticated)
+    @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await proxy.generate(body, request)
 
-    @app.get("/v1/models", dependencies=authenticated)
+    @app.get("/v1/models")
     async def models() -> Response:
         return Response(proxy.models().model_dump_json(), media_type="application/json")
 

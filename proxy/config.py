@@ -54,7 +54,16 @@ class ProxyConfig:
     cluster_token: str = ""
     """Bearer token of the nodes' internal API (default: $PDSERVE_CLUSTER_TOKEN); empty: none."""
     api_key: str = ""
-    """If set, clients must send `Authorization: Bearer <api_key>` to /v1/*."""
+    """If set, clients must send `Authorization: Bearer <api_key>` to /v1/* (else a 401);
+    /health and /metrics stay open, as in vLLM."""
+    max_request_body_bytes: int = 32 * 1024 * 1024
+    """Largest request body accepted; a larger one is a 413, refused as its bytes arrive (a
+    Content-Length over it is refused before any are read)."""
+    max_inflight_requests: int = 4096
+    """Generation requests this proxy runs at once, streams included until their last byte; one
+    more is a 429 with Retry-After. Each costs about three open files (client socket, prefill and
+    decode streams): keep it below a third of `ulimit -n`. Decode nodes bound their own queues
+    by KV blocks (--admission-wait-s); this bounds the proxy's memory and sockets before that."""
     routing: str = "prefix-aware"
     """How to pick nodes: `prefix-aware` (cached prefix against queued work; needs --redis-url for
     the cached part), `least-loaded` or `round-robin`."""
@@ -103,6 +112,9 @@ class ProxyConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.admission_wait_s < 0:
             raise ValueError(f"admission_wait_s must be >= 0, got {self.admission_wait_s}")
+        for name in ("max_request_body_bytes", "max_inflight_requests"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.default_max_tokens < 1:
             raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
         from proxy.router import POLICIES

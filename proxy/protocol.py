@@ -5,15 +5,19 @@ Field names and defaults follow OpenAI and vLLM (whose extensions ``top_k``, ``m
 ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``, ``min_tokens``,
 ``include_stop_str_in_output``, ``skip_special_tokens`` and ``stop_reason`` are kept).
 Unknown request fields are ignored, as OpenAI does. Anything we cannot honour (n > 1,
-logit_bias, tools, images, batched prompts) is a 400, never silently dropped.
+logit_bias, tools, functions, images, batched prompts) is a 400, never silently dropped. So is
+what would fail further on: NaN or infinite numbers, integers a node message cannot carry (64
+bits), text that is not valid Unicode (lone surrogates such as ``"\\ud800"``, which JSON can
+spell but UTF-8 cannot), roles that OpenAI does not define.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+from pydantic_core import PydanticCustomError
 
 from pdserve.sampling_params import SamplingParams
 
@@ -28,6 +32,11 @@ _ERROR_TYPES = {
     429: "rate_limit_error",
     499: "client_closed_request",
 }
+
+
+def _type_of(status: int) -> str:
+    """OpenAI's ``type`` for a status: a 4xx without its own is an ``invalid_request_error``."""
+    return _ERROR_TYPES.get(status) or ("invalid_request_error" if status < 500 else "server_error")
 
 
 class ProxyError(Exception):
@@ -48,7 +57,7 @@ class ProxyError(Exception):
         self.message = message
         self.param = param
         self.code = code
-        self.error_type = error_type or _ERROR_TYPES.get(status, "server_error")
+        self.error_type = error_type or _type_of(status)
         self.retry_after = retry_after
 
     def body(self) -> dict[str, Any]:
@@ -72,7 +81,7 @@ def error_body(
     return {
         "error": {
             "message": message,
-            "type": error_type or _ERROR_TYPES.get(status, "server_error"),
+            "type": error_type or _type_of(status),
             "param": param,
             "code": code,
         }
@@ -86,8 +95,44 @@ def bad_request(message: str, param: str | None = None) -> ProxyError:
 # -- requests ------------------------------------------------------------------------------
 
 
+# What a node message can carry (msgspec refuses ints outside 64 bits).
+Int64 = Annotated[int, Field(ge=-(2**63), lt=2**63)]
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+
+
+def find_surrogate(data: Any) -> tuple[str, str] | None:
+    """The path and text of the first string (or key) in parsed JSON holding a lone surrogate.
+
+    JSON may escape one (``"\\ud800"``) and Python's parser keeps it, but it has no UTF-8 form:
+    the tokenizer and every node message would fail on it. Iterative, so that nesting as deep as
+    the JSON parser allows cannot exhaust the stack.
+    """
+    stack: list[tuple[str, Any]] = [("", data)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            if not value.isascii():
+                try:
+                    value.encode("utf-8")
+                except UnicodeEncodeError as exc:
+                    return path, repr(value[exc.start : exc.start + 1])
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                key = str(key)
+                found = None if key.isascii() else find_surrogate(key)
+                name = key.encode("utf-8", "backslashreplace").decode() if found else key
+                sub = f"{path}.{name}" if path else name
+                if found:
+                    return sub, found[1]
+                stack.append((sub, item))
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", item) for i, item in enumerate(value))
+    return None
+
+
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # allow_inf_nan: Python's JSON parser reads NaN and Infinity, which no sampling field takes.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
 class StreamOptions(_Request):
@@ -98,25 +143,39 @@ class _SamplingRequest(_Request):
     """Fields the two generation endpoints share."""
 
     model: str | None = None
-    n: int = 1
+    n: Int64 = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: Int64 | None = None
     min_p: float | None = None
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
-    min_tokens: int = 0
+    stop_token_ids: list[Int64] | None = None
+    min_tokens: Int64 = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        found = find_surrogate(data)
+        if found is not None:
+            path, char = found
+            raise PydanticCustomError(
+                "invalid_unicode",
+                "{param} holds a lone surrogate ({char}), which is not valid Unicode: "
+                "send text as UTF-8 or as paired \\uXXXX escapes",
+                {"param": path, "char": char},
+            )
+        return data
 
     @property
     def include_usage(self) -> bool:
@@ -125,11 +184,11 @@ class _SamplingRequest(_Request):
 
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = 16  # OpenAI's default; an explicit null means "the rest of the context"
-    logprobs: int | None = None
+    max_tokens: Int64 | None = 16  # OpenAI's default; an explicit null means "the rest of the context"
+    logprobs: Int64 | None = None
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: Int64 | None = None
 
 
 class ChatMessage(BaseModel):
@@ -137,18 +196,19 @@ class ChatMessage(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    role: str
+    role: Literal[ROLES]  # type: ignore[valid-type]
     content: str | list[dict[str, Any]] | None = None
 
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Int64 | None = None
+    max_completion_tokens: Int64 | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int64 | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None  # the deprecated form of tools
     response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True  # vLLM extension
 
@@ -177,17 +237,19 @@ def single_prompt(request: CompletionRequest) -> str | list[int]:
     return prompt
 
 
-def check_token_ids(token_ids: list[int], vocab_size: int) -> None:
+def check_token_ids(token_ids: list[int], vocab_size: int, param: str = "prompt") -> None:
     if vocab_size:
         bad = [t for t in token_ids if not 0 <= t < vocab_size]
         if bad:
-            raise bad_request(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})", "prompt")
+            raise bad_request(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})", param)
 
 
 def chat_messages(request: ChatCompletionRequest) -> list[dict[str, Any]]:
     """Messages as the chat template takes them: content parts joined into one string."""
     if request.tools and request.tool_choice != "none":
         raise bad_request("tool calling is not supported", "tools")
+    if request.functions:
+        raise bad_request("function calling is not supported", "functions")
     if request.response_format and request.response_format.get("type", "text") != "text":
         raise bad_request(
             f"response_format {request.response_format.get('type')!r} is not supported (only 'text')",
