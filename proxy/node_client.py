@@ -71,7 +71,10 @@ def make_http_client() -> httpx.AsyncClient:
     return httpx.AsyncClient(
         timeout=httpx.Timeout(CONTROL_TIMEOUT_S, connect=5.0),
         # Each in-flight request holds one decode stream and one prefill call open.
-        limits=httpx.Limits(max_connections=None, max_keepalive_connections=512, keepalive_expiry=30.0),
+        # Idle connections are dropped before the nodes' uvicorn closes them (its keep-alive is 5 s):
+        # a request sent on a connection the server is closing fails with ReadError, and a
+        # reserve or stream cannot be resent blindly.
+        limits=httpx.Limits(max_connections=None, max_keepalive_connections=512, keepalive_expiry=4.0),
         trust_env=False,  # never send cluster traffic through an HTTP(S)_PROXY from the environment
     )
 
