@@ -127,8 +127,8 @@ def format_table(rows: list[ScenarioResult]) -> str:
     out += ["  ".join("-" * w for w in widths), fmt([cell(total, k) for k, _ in COLUMNS])]
     for r in rows:
         if r.errors:
-            kinds = ", ".join(f"{k} x{n}" for k, n in list(r.errors.items())[:6])
-            out.append(f"  {r.scenario} errors: {kinds}")
+            out.append(f"  {r.scenario}:")
+            out += [f"    {n:4d} x {k}" for k, n in list(r.errors.items())[:4]]
     return "\n".join(out)
 
 
