@@ -78,6 +78,7 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--engine-flags", default="")
+    p.add_argument("--device", default="", help="the machine, for the JSON (e.g. 2x NVIDIA H200)")
     p.add_argument("--out-dir", default="goodput")
     args = p.parse_args()
     out_dir = Path(args.out_dir)
@@ -108,7 +109,7 @@ def main() -> None:
     }
     results = {name: run_shape(name, cfg, workload, out_dir, args) for name, cfg in shapes.items()}
     workload.unlink()  # large and reproducible from the seed
-    summary = {"benchmark": "goodput_pd_vs_replicas", "args": vars(args), "shapes": {}}
+    summary = {"benchmark": "goodput_pd_vs_replicas", "device": args.device, "args": vars(args), "shapes": {}}
     for name, r in results.items():
         summary["shapes"][name] = {"sweep": r["sweep"], "runs": r["runs"]}
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
