@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 
 import msgspec
@@ -83,7 +84,9 @@ async def read_message(request: Request, kind: type) -> Message:
 
 
 def check_token(request: Request, token: str) -> None:
-    if token and request.headers.get("authorization") != f"Bearer {token}":
+    """401 unless ``Authorization: Bearer <token>``, compared in constant time (no-op without a token)."""
+    given = request.headers.get("authorization", "").encode("latin-1")  # as sent on the wire
+    if token and not hmac.compare_digest(given, b"Bearer " + token.encode()):
         raise HTTPException(status_code=401, detail="missing or wrong cluster token")
 
 
