@@ -148,6 +148,11 @@ class ProxyMetrics:
             ["status"],
         )
         self.running = registry.gauge("pdserve_requests_running", "Generation requests in flight.")
+        self.admitted = registry.gauge(
+            "pdserve_requests_admitted",
+            "Generation requests past the gate, bodies still arriving included; bounded by "
+            "--max-inflight-requests.",
+        )
         self.ttft = registry.histogram(
             "pdserve_time_to_first_token_seconds",
             "From the request's arrival to its first token at the proxy.",
@@ -247,7 +252,6 @@ class Gate:
     def __init__(self, app, proxy: Proxy) -> None:
         self.app = app
         self.proxy = proxy
-        self.num_inflight = 0  # generation requests inside the app, streams until their end
 
     @staticmethod
     async def _refuse(scope: Scope, send: Send, exc: ProxyError) -> None:
@@ -267,7 +271,7 @@ class Gate:
             )
             return
         generation = scope["method"] == "POST" and path in GENERATION_PATHS
-        if generation and self.num_inflight >= cfg.max_inflight_requests:
+        if generation and self.proxy.num_inflight >= cfg.max_inflight_requests:
             self.proxy.metrics.requests.labels("429").inc()
             message = f"the proxy is at its limit of {cfg.max_inflight_requests} requests in flight"
             await self._refuse(scope, send, ProxyError(429, message, code="too_many_requests", retry_after=1))
@@ -295,7 +299,7 @@ class Gate:
             await send(message)
 
         if generation:
-            self.num_inflight += 1
+            self.proxy.num_inflight += 1
         try:
             await self.app(scope, receive_limited, send_tracked)
         except BodyTooLarge as exc:  # read outside a route's body parsing: answer it here
@@ -304,7 +308,7 @@ class Gate:
             await self._refuse(scope, send_tracked, ProxyError(413, exc.detail))
         finally:
             if generation:
-                self.num_inflight -= 1
+                self.proxy.num_inflight -= 1
 
 
 async def _nothing() -> dict:
@@ -341,6 +345,8 @@ class Proxy:
         self.config = config
         self.registry = Registry()
         self.metrics = ProxyMetrics(self.registry)
+        self.num_inflight = 0  # generation requests past the Gate, streams until their last byte
+        self.metrics.admitted.set_function(lambda: self.num_inflight)
         self.tokenizer = None
         self.token_strings = TokenStrings(None)
         self.model_id = ""
@@ -393,6 +399,7 @@ class Proxy:
             cfg.admission_wait_s,
             cfg.min_remote_prefill_tokens,
             cfg.routing,
+            max_migrations=cfg.max_migrations,
         )
         self.started = True
         logger.info(
