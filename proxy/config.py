@@ -81,6 +81,10 @@ class ProxyConfig:
     """max_tokens of a request that sets none; the rest of the context caps it further."""
     admission_wait_s: float = 5.0
     """How long a request waits for free KV blocks on some decode node before a 429."""
+    max_migrations: int = 2
+    """How many times one request may move to other nodes after a node died under it: a decode
+    node that dies mid-stream (the request resumes on another decode node from its prompt plus
+    the tokens already streamed) or a prefill node that dies before the hand-off."""
     load_poll_interval_s: float = 1.0
     """How often each node's load is polled (also how fast a dead node is noticed)."""
     startup_timeout_s: float = 600.0
@@ -110,6 +114,8 @@ class ProxyConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.max_migrations < 0:
+            raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations}")
         if self.admission_wait_s < 0:
             raise ValueError(f"admission_wait_s must be >= 0, got {self.admission_wait_s}")
         for name in ("max_request_body_bytes", "max_inflight_requests"):

@@ -14,16 +14,28 @@ deadline or the client leaving aborts the request on each node still holding it
 (``/internal/abort``, and closing our connections, which the nodes also treat as an
 abort). Aborts run as background tasks so that they survive the cancellation that
 triggered them.
+
+Migration (as NVIDIA Dynamo does it): when a node dies under a request (its connection drops,
+or the token stream ends before the final event) the request starts over on the surviving
+nodes, at most ``max_migrations`` times, under a node request id of its own
+(``<id>-m<n>``) so that nothing the dead attempt left behind can be mistaken for it. The new
+attempt's prompt is the original prompt plus the tokens already streamed and its
+``max_tokens``/``min_tokens`` are what is left, so the client sees one uninterrupted stream and
+greedy output equals an undisturbed run. (A seeded sampled request continues with a fresh
+generator; stop strings that straddle the cut are not seen.)
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Coroutine
 from typing import Any
+
+import msgspec
 
 from pdserve.messages import (
     LandingDescriptor,
@@ -55,8 +67,10 @@ class Dispatcher:
         admission_wait_s: float = 5.0,
         min_remote_prefill_tokens: int = 0,
         policy_name: str = "",
+        max_migrations: int = 2,
     ) -> None:
         self.router = router
+        self.max_migrations = max_migrations
         self.lease_s = lease_s
         self.admission_wait_s = admission_wait_s
         self.min_remote_prefill_tokens = min_remote_prefill_tokens
@@ -82,6 +96,11 @@ class Dispatcher:
         )
         self.full_rejections = registry.counter(
             "pdserve_decode_full_total", "Reservations a decode node refused for lack of free KV blocks."
+        )
+        self.migrations = registry.counter(
+            "pdserve_request_migrations_total",
+            "Requests restarted on other nodes because a node died under them, by the dead node's role.",
+            ["role"],
         )
         self.prefill_latency = registry.histogram(
             "pdserve_prefill_call_seconds",
@@ -147,6 +166,15 @@ async def _drain(events) -> None:
         pass
 
 
+class NodeDied(Exception):
+    """A node stopped answering in the middle of a request (connection lost, stream cut short)."""
+
+    def __init__(self, node: NodeState, message: str) -> None:
+        super().__init__(f"{node.role} node {node.url}: {message}")
+        self.node = node
+        self.message = message
+
+
 def _node_failure(node: NodeState, exc: NodeError, what: str) -> ProxyError:
     """What the client is told when a node call fails."""
     if exc.status == 400:
@@ -176,6 +204,9 @@ class Generation:
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.deadline = deadline
+        self.node_request_id = request_id  # this attempt's id on the nodes
+        self.emitted: list[int] = []  # output tokens handed to the caller so far
+        self.migrations = 0
         self.decode_node: NodeState | None = None
         self.prefill_node: NodeState | None = None
         self.prefill_result: PrefillResult | None = None
@@ -214,23 +245,75 @@ class Generation:
             self._queue.put_nowait(ProxyError(500, f"internal error: {type(exc).__name__}: {exc}"))
 
     async def _protocol(self) -> None:
-        route = await self.d.router.route(self.request_id, self.prompt_token_ids)
+        while True:
+            try:
+                await self._attempt()
+                return
+            except NodeDied as exc:
+                limit = self.params.max_tokens
+                if limit is not None and len(self.emitted) >= limit:  # died after the last token
+                    self.finished = True
+                    n = len(self.prompt_token_ids)
+                    self._queue.put_nowait(
+                        TokenEvent(self.request_id, [], "", finish_reason="length", num_prompt_tokens=n)
+                    )
+                    return
+                if self.migrations >= self.d.max_migrations:
+                    raise ProxyError(
+                        503, f"{exc}; the request already moved {self.migrations} time(s), giving up"
+                    ) from None
+                self.migrations += 1
+                self.d.migrations.labels(exc.node.role).inc()
+                self.d.router.mark_down(exc.node, exc.message)
+                self.node_request_id = f"{self.request_id}-m{self.migrations}"
+                logger.warning(
+                    "request %s moves to other nodes (%d output tokens so far): %s",
+                    self.request_id,
+                    len(self.emitted),
+                    exc,
+                )
+
+    @property
+    def _prompt(self) -> list[int]:
+        return self.prompt_token_ids + self.emitted if self.emitted else self.prompt_token_ids
+
+    @property
+    def _params(self) -> SamplingParams:
+        """What is left of the request's sampling parameters after the tokens already streamed."""
+        n = len(self.emitted)
+        p = self.params
+        if not n or (p.max_tokens is not None and p.max_tokens <= n):
+            return p
+        return dataclasses.replace(
+            p,
+            max_tokens=None if p.max_tokens is None else p.max_tokens - n,
+            min_tokens=max(0, p.min_tokens - n),
+        )
+
+    async def _attempt(self) -> None:
+        self.prefill_node = None
+        self.prefill_result = None
+        self._prefill_pending = False
+        route = await self.d.router.route(self.node_request_id, self._prompt)
         if route.index != "none":
             self.d.index_lookup.observe(route.lookup_s)
             if route.index == "unavailable":
                 self.d.index_unavailable.inc()
         decode, landing = await self._reserve(route)
         self.decode_node = decode
+        rid = self.node_request_id
         try:
             try:
-                async with decode.client.stream(StreamRequest(self.request_id)) as events:
+                async with decode.client.stream(StreamRequest(rid)) as events:
                     await self._generate(route, landing, events)
             except NodeError as exc:
+                if exc.unreachable:
+                    raise NodeDied(decode, f"token stream lost: {exc.message}") from None
                 raise _node_failure(decode, exc, "token stream failed") from None
         finally:
             decode.num_inflight -= 1
             if not self.finished:
-                self.d.abort(decode, self.request_id)
+                self.d.abort(decode, rid)
 
     async def _generate(self, route: RouteRequest, landing: LandingDescriptor, events) -> None:
         if landing.local_prefill:
@@ -240,8 +323,13 @@ class Generation:
         relay = asyncio.ensure_future(self._relay(events))
         try:
             done, _ = await asyncio.wait({prefill, relay}, return_when=asyncio.FIRST_COMPLETED)
-            if prefill in done:
-                prefill.result()  # raises when the prefill failed
+            if prefill in done and prefill.exception() is not None:
+                if isinstance(prefill.exception(), ProxyError):
+                    # A transfer fails when its decode node dies: if the stream breaks too, the
+                    # decode node is the one to blame (and the request can move).
+                    with contextlib.suppress(asyncio.TimeoutError, ProxyError):
+                        await asyncio.wait_for(asyncio.shield(relay), 1.0)
+                prefill.result()  # raises the prefill's failure
             await relay
         finally:
             relay.cancel()  # no-op when done
@@ -254,7 +342,7 @@ class Generation:
                 waits.append(prefill)
             await asyncio.gather(*waits, return_exceptions=True)  # also retrieves their exceptions
             if self._prefill_pending and not self.finished and self.prefill_node is not None:
-                self.d.abort(self.prefill_node, self.request_id)
+                self.d.abort(self.prefill_node, self.node_request_id)
 
     async def _relay(self, events) -> None:
         decode = self.decode_node
@@ -262,8 +350,19 @@ class Generation:
             if event.error or event.finish_reason in ("abort", "error"):
                 reason = event.error or f"finish_reason {event.finish_reason}"
                 raise ProxyError(502, f"decode node {decode.url} failed the request: {reason}")
-            if event.request_id != self.request_id:
+            if event.request_id != self.node_request_id:
                 raise ProxyError(502, f"decode node {decode.url} sent an event of {event.request_id!r}")
+            if self.migrations:
+                # The client asked about its own prompt: the tokens prepended on resumption
+                # are neither prompt tokens nor cached ones to it.
+                n = len(self.prompt_token_ids)
+                event = msgspec.structs.replace(
+                    event,
+                    request_id=self.request_id,
+                    num_prompt_tokens=n,
+                    num_cached_tokens=min(event.num_cached_tokens, n),
+                )
+            self.emitted.extend(event.token_ids)
             self._queue.put_nowait(event)
             if event.finish_reason is not None:
                 self.finished = True
@@ -272,7 +371,7 @@ class Generation:
                 with contextlib.suppress(asyncio.TimeoutError, NodeError):
                     await asyncio.wait_for(_drain(events), 1.0)
                 return
-        raise ProxyError(502, f"decode node {decode.url} ended the token stream before the request finished")
+        raise NodeDied(decode, "the token stream ended before the request finished")
 
     async def _reserve(self, route: RouteRequest) -> tuple[NodeState, LandingDescriptor]:
         router = self.d.router
@@ -287,13 +386,12 @@ class Generation:
             status = 503  # 502 once some node answered with an error
             for node in ranked:
                 local = self.d.plan_prefill(node, route)
-                msg = ReserveRequest(
-                    self.request_id, self.prompt_token_ids, self.params, self.d.lease_s, bool(local)
-                )
+                rid = self.node_request_id
+                msg = ReserveRequest(rid, self._prompt, self._params, self.d.lease_s, bool(local))
                 try:
                     landing = await node.client.reserve(msg)
                 except asyncio.CancelledError:
-                    self.d.abort(node, self.request_id)  # it may have reserved before we left
+                    self.d.abort(node, rid)  # it may have reserved before we left
                     raise
                 except NodeError as exc:
                     if exc.status in (429, 503):
@@ -306,13 +404,13 @@ class Generation:
                         router.mark_down(node, exc.message)
                     else:
                         if exc.unreachable or exc.status == 200:  # timed out, or garbled landing:
-                            self.d.abort(node, self.request_id)  # it may hold a reservation
+                            self.d.abort(node, rid)  # it may hold a reservation
                         if not exc.unreachable:
                             status = 502
                     failed.append(f"{node.url}: {exc.message}")
                     continue
-                if landing.request_id != self.request_id:
-                    self.d.abort(node, self.request_id)
+                if landing.request_id != rid:
+                    self.d.abort(node, rid)
                     raise ProxyError(502, f"decode node {node.url} reserved for {landing.request_id!r}")
                 node.num_inflight += 1
                 if local:
@@ -334,7 +432,7 @@ class Generation:
 
     async def _prefill(self, route: RouteRequest, landing: LandingDescriptor) -> PrefillResult:
         router = self.d.router
-        msg = PrefillRequest(self.request_id, self.prompt_token_ids, self.params, landing)
+        msg = PrefillRequest(self.node_request_id, self._prompt, self._params, landing)
         failed: list[str] = []
         for node in router.rank("prefill", route):
             self.prefill_node = node
@@ -360,12 +458,19 @@ class Generation:
                     continue
                 if exc.status:
                     self._prefill_pending = False  # it answered, so it let go of the request
+                else:
+                    # The connection dropped with the prompt in flight: the node died (or its link
+                    # did). The decode node's reservation is aborted and the request starts over.
+                    raise NodeDied(node, f"prefill lost: {exc.message}") from None
                 raise _node_failure(node, exc, "prefill failed") from None
             finally:
                 node.num_inflight -= 1
                 node.inflight_prefill_tokens -= uncached
             self._prefill_pending = False
             self.d.prefill_latency.observe(time.monotonic() - start)
+            if self.migrations:  # the tokens prepended on resumption are not the client's prompt
+                n = min(result.num_cached_tokens, len(self.prompt_token_ids))
+                result = msgspec.structs.replace(result, num_cached_tokens=n)
             self.prefill_result = result
             if not result.ok:
                 raise ProxyError(502, f"prefill failed on {node.url}: {result.error or 'no reason given'}")

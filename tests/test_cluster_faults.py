@@ -173,8 +173,9 @@ def test_prefill_node_killed_mid_prompt(cluster):
     t.join(timeout=60)
     assert not t.is_alive(), "the request hung after its prefill node died"
     assert "error" not in result, result
-    assert result["status"] >= 500 and "error" in result["body"], result
-    _wait_idle(cluster)  # the decode node released its reservation
+    # The request moved to the surviving prefill node (tests/test_migration.py checks the output).
+    assert result["status"] == 200 and result["body"]["choices"][0]["text"], result
+    _wait_idle(cluster)  # the decode node released the dead attempt's reservation
     _ask(cluster)  # the surviving prefill node serves
 
 

@@ -1,0 +1,183 @@
+"""Request migration on real processes: a decode node killed mid-stream, a prefill node killed
+mid-prompt. The client sees one uninterrupted stream, greedy output identical to ``LLM.chat``."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from pdserve import LLM, SamplingParams
+from pdserve.cluster import ClusterConfig, LocalCluster, free_port
+from pdserve.config import ModelConfig
+from pdserve.messages import NodeLoad, decode
+from pdserve.metrics import parse_text
+
+MODEL = "SmolLM2-135M-Instruct"
+PROMPTS = [
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "Write one sentence about the ocean.",
+    "What is 12 times 12?",
+    "Give me a synonym for happy.",
+    "Who wrote Romeo and Juliet?",
+    "List two planets.",
+    "Translate 'good morning' to Spanish.",
+]
+MAX_TOKENS = 40
+LONG_PROMPT = "Tell me everything about the history of the world. " * 100  # ~1000 tokens
+
+
+@pytest.fixture(scope="module")
+def cluster(default_model_dir, tmp_path_factory):
+    cfg = ClusterConfig(
+        port=free_port(),
+        prefill_nodes=2,
+        decode_nodes=2,
+        threads_per_node=1,
+        log_dir=str(tmp_path_factory.mktemp("logs")),
+        routing="round-robin",  # spread the streams over both decode nodes
+        redis_url="none",
+        min_remote_prefill_tokens=0,
+    )
+    # Small steps so that the long prompt takes several engine steps to prefill.
+    c = LocalCluster(cfg, ["--max-num-batched-tokens", "128"], ModelConfig())
+    try:
+        c.start()
+        yield c
+    finally:
+        c.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(default_model_dir):
+    llm = LLM(str(default_model_dir), max_num_batched_tokens=512)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    chats = [[{"role": "user", "content": p}] for p in [*PROMPTS, LONG_PROMPT]]
+    return [o.outputs[0].text for o in llm.chat(chats, params)]
+
+
+def _alive(c: LocalCluster, role: str):
+    return [x for x in c.children if x.role.startswith(role) and x.proc.poll() is None]
+
+
+def _load(url: str) -> NodeLoad:
+    return decode(httpx.get(f"{url}/internal/load", timeout=10).content, NodeLoad)
+
+
+def _proxy(c: LocalCluster) -> str:
+    return next(x.url for x in c.children if x.role.startswith("proxy"))
+
+
+def _migrations(c: LocalCluster) -> dict[str, float]:
+    metrics = parse_text(httpx.get(f"{_proxy(c)}/metrics", timeout=10).text)
+    return {k: v for k, v in metrics.items() if k.startswith("pdserve_request_migrations_total")}
+
+
+def _wait_idle(c: LocalCluster, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        loads = {x.role: _load(x.url) for x in _alive(c, "prefill") + _alive(c, "decode")}
+        if all(
+            lo.free_blocks == lo.total_blocks and lo.running == lo.waiting == lo.waiting_for_kv == 0
+            for lo in loads.values()
+        ):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"pools not idle after {timeout} s: {loads}")
+        time.sleep(0.2)
+
+
+class _Stream(threading.Thread):
+    """One streaming chat request; records the text, the chunk count and how it ended."""
+
+    def __init__(self, url: str, prompt: str) -> None:
+        super().__init__(daemon=True)
+        self.url, self.prompt = url, prompt
+        self.text, self.chunks, self.status, self.error, self.done = "", 0, 0, "", False
+
+    def run(self) -> None:
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": self.prompt}],
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        try:
+            with httpx.stream("POST", f"{self.url}/v1/chat/completions", json=body, timeout=180) as r:
+                self.status = r.status_code
+                for line in r.iter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    if line == "data: [DONE]":
+                        self.done = True
+                        break
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        self.error = chunk["error"]["message"]
+                        continue
+                    for choice in chunk["choices"]:
+                        self.text += choice["delta"].get("content") or ""
+                        self.chunks += 1
+        except httpx.HTTPError as exc:
+            self.error = repr(exc)
+
+
+def test_decode_node_killed_mid_stream_every_request_completes_identically(cluster, reference):
+    before = _migrations(cluster).get('pdserve_request_migrations_total{role="decode"}', 0.0)
+    streams = [_Stream(_proxy(cluster), p) for p in PROMPTS]
+    for s in streams:
+        s.start()
+    deadline = time.monotonic() + 120
+    while not all(s.chunks >= 4 for s in streams):  # every stream is decoding
+        assert time.monotonic() < deadline, [s.chunks for s in streams]
+        assert not any(s.done or s.error for s in streams), "a stream ended before the kill"
+        time.sleep(0.02)
+    on_victim, victim = max(
+        ((_load(x.url).running, x) for x in _alive(cluster, "decode")), key=lambda p: p[0]
+    )
+    assert on_victim >= 1
+    os.killpg(victim.proc.pid, signal.SIGKILL)
+    victim.proc.wait(timeout=10)
+    for s in streams:
+        s.join(timeout=180)
+    assert not any(s.is_alive() for s in streams), "a stream hung after its decode node died"
+    for s, want in zip(streams, reference):
+        assert (s.status, s.error, s.done) == (200, "", True), (s.prompt, s.status, s.error)
+        assert s.text == want, s.prompt
+    moved = _migrations(cluster).get('pdserve_request_migrations_total{role="decode"}', 0.0) - before
+    # Every stream the victim was decoding moved (a stream may also move while its KV is in flight).
+    assert moved >= on_victim, (moved, on_victim)
+    _wait_idle(cluster)
+
+
+def test_prefill_node_killed_mid_prompt_is_retried_on_another(cluster, reference):
+    before = _migrations(cluster).get('pdserve_request_migrations_total{role="prefill"}', 0.0)
+    stream = _Stream(_proxy(cluster), LONG_PROMPT)
+    stream.start()
+    victim = None
+    deadline = time.monotonic() + 60
+    while victim is None:
+        assert time.monotonic() < deadline, "the long prompt never showed up on a prefill node"
+        for node in _alive(cluster, "prefill"):
+            lo = _load(node.url)
+            if lo.running or lo.waiting:
+                victim = node
+                break
+        time.sleep(0.02)
+    os.killpg(victim.proc.pid, signal.SIGKILL)
+    victim.proc.wait(timeout=10)
+    stream.join(timeout=180)
+    assert not stream.is_alive(), "the request hung after its prefill node died"
+    assert (stream.status, stream.error, stream.done) == (200, "", True), stream.error
+    assert stream.text == reference[-1]
+    moved = _migrations(cluster).get('pdserve_request_migrations_total{role="prefill"}', 0.0) - before
+    assert moved == 1
+    _wait_idle(cluster)
