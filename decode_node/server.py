@@ -38,6 +38,8 @@ from pdserve.messages import (
     frame,
 )
 from pdserve.node import (
+    RETRY_AFTER_S,
+    NodeRefused,
     NodeService,
     NodeState,
     check_token,
@@ -91,10 +93,13 @@ class DecodeService(NodeService):
     # -- engine thread -------------------------------------------------------------------------
 
     def reserve(self, engine: LLMEngine, msg: ReserveRequest, deadline: float) -> list[int] | None:
-        """Reserve blocks for KV computed elsewhere; None when the node has too few free now."""
+        """Reserve blocks for KV computed elsewhere; None when the node has too few free now.
+        Raises ``NodeRefused`` when the node's queue is full."""
+        self.state.check_room()
         block_ids = engine.reserve_remote(msg.request_id, msg.prompt_token_ids, msg.params)
         if block_ids is not None:
             self.table.add(msg.request_id, block_ids, deadline)
+            self.state.track_deadline(msg.request_id, msg.deadline)
         return block_ids
 
     def accept_local(self, engine: LLMEngine, msg: ReserveRequest, deadline: float) -> bool:
@@ -102,11 +107,13 @@ class DecodeService(NodeService):
         anyone listens); False when the blocks it needs are not free now. Raises ValueError for a
         request the engine can never serve."""
         engine.validate_request(msg.request_id, msg.prompt_token_ids, msg.params)
+        self.state.check_room()
         bs = engine.config.cache.block_size
         needed = -(-(len(msg.prompt_token_ids) + 1) // bs)
         if needed > engine.scheduler.kv.num_free_blocks:
             return False
         self.pending_local[msg.request_id] = (msg, deadline)
+        self.state.track_deadline(msg.request_id, msg.deadline)
         return True
 
     def start_local(self, engine: LLMEngine, request_id: str) -> None:
@@ -141,6 +148,16 @@ class DecodeService(NodeService):
         """Release the reservation first, so late frames are refused before the blocks are freed."""
         self.table.release(request_id)
         self.pending_local.pop(request_id, None)
+
+    def holds(self, request_id: str) -> bool:
+        return request_id in self.pending_local
+
+    def held_ids(self) -> list[str]:
+        return list(self.pending_local)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.pending_local)
 
     def add_routes(self, app: FastAPI) -> None:
         add_decode_routes(app, self)
@@ -189,19 +206,24 @@ def add_decode_routes(app: FastAPI, service: DecodeService) -> None:
         msg: ReserveRequest = await read_message(request, ReserveRequest)
         lease = min(max(msg.lease_s, 0.1), MAX_LEASE_S)
         deadline = time.time() + lease
-        state.loop.subscribe(msg.request_id)
-        try:
-            if msg.local_prefill:
-                taken = await state.loop.call(lambda e: service.accept_local(e, msg, deadline))
-                block_ids = [] if taken else None
-            else:
-                block_ids = await state.loop.call(lambda e: service.reserve(e, msg, deadline))
-        except ValueError as e:
-            state.loop.unsubscribe(msg.request_id)
-            return error_response(400, str(e))
+        async with state.admission(msg.deadline):  # raises NodeRefused: 429, 503 or 504
+            state.loop.subscribe(msg.request_id)
+            try:
+                if msg.local_prefill:
+                    taken = await state.loop.call(lambda e: service.accept_local(e, msg, deadline))
+                    block_ids = [] if taken else None
+                else:
+                    block_ids = await state.loop.call(lambda e: service.reserve(e, msg, deadline))
+            except ValueError as e:
+                state.loop.unsubscribe(msg.request_id)
+                return error_response(400, str(e))
+            except BaseException:
+                state.loop.unsubscribe(msg.request_id)
+                raise
         if block_ids is None:
             state.loop.unsubscribe(msg.request_id)
-            return error_response(503, "decode node has no free KV blocks for this prompt now", "overloaded")
+            message = "decode node has no free KV blocks for this prompt now"
+            return NodeRefused(503, message, "overloaded", RETRY_AFTER_S).response()
         holdback[msg.request_id] = max((len(s) for s in msg.params.stop), default=1) - 1
         return msgpack_response(
             LandingDescriptor(

@@ -288,16 +288,22 @@ class LocalCluster:
                     return code or 1
             time.sleep(0.5)
 
-    def stop(self) -> None:
-        for child in self.children:
-            if child.proc.poll() is None:
-                os.killpg(child.proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        for child in self.children:
-            try:
-                child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                os.killpg(child.proc.pid, signal.SIGKILL)
+    def stop(self, timeout_s: float = 45.0) -> None:
+        """SIGTERM the proxies, which drain their requests in flight, then the nodes, which drain
+        theirs (--shutdown-timeout-s, 30 s by default); SIGKILL what is left after ``timeout_s``."""
+        proxies = [c for c in self.children if c.role.startswith("proxy")]
+        nodes = [c for c in self.children if not c.role.startswith("proxy")]
+        for group in (proxies, nodes):
+            for child in group:
+                if child.proc.poll() is None:
+                    os.killpg(child.proc.pid, signal.SIGTERM)
+            deadline = time.monotonic() + timeout_s
+            for child in group:
+                try:
+                    child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    os.killpg(child.proc.pid, signal.SIGKILL)
+                    child.proc.wait()
         if self.redis is not None:
             self.redis.stop()
 

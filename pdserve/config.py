@@ -207,6 +207,13 @@ class NodeConfig:
     heartbeat_ttl_s: float = 5.0
     """The node's registration in the index expires this long after its last heartbeat
     (heartbeats go out every third of it)."""
+    max_waiting_requests: int = 1024
+    """Most requests queued on the node: waiting to be scheduled, for their KV (decode) or for their
+    token stream to open. New work beyond it is refused with 429 and Retry-After, and the proxy tries
+    another node; nothing on a node is queued without bound."""
+    shutdown_timeout_s: float = 30.0
+    """On SIGTERM the node refuses new work (/health answers 503) and lets what it holds finish;
+    requests still there after this many seconds end with an error. A second signal ends them at once."""
 
     def __post_init__(self) -> None:
         if not self.cluster_token:
@@ -215,6 +222,10 @@ class NodeConfig:
             raise ValueError(f"unknown node role {self.role!r}; choose one of {', '.join(NODE_ROLES)}")
         if self.heartbeat_ttl_s <= 0:
             raise ValueError(f"heartbeat_ttl_s must be > 0, got {self.heartbeat_ttl_s}")
+        if self.max_waiting_requests < 1:
+            raise ValueError(f"max_waiting_requests must be >= 1, got {self.max_waiting_requests}")
+        if self.shutdown_timeout_s < 0:
+            raise ValueError(f"shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s}")
 
 
 def cpu_count() -> int:

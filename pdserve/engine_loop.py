@@ -2,12 +2,16 @@
 
 The engine is single-threaded: every call into it (add, reserve, abort, landed KV)
 is queued as a command and run on the engine thread between steps. Outputs of each
-step are handed to per-request ``asyncio.Queue``s on the server's event loop. Torch
+step are handed to per-request ``OutputSlot``s on the server's event loop. Torch
 releases the GIL inside its kernels, so the HTTP side stays responsive while a step
 runs.
 
 A step that raises does not wedge the node: every request in the engine ends with
 an error output and the loop goes on.
+
+Nothing here grows without bound: an output slot keeps one output (outputs are cumulative), and
+every command comes from an HTTP handler awaiting it or from a request the node admitted, whose
+number the node bounds (``NodeConfig.max_waiting_requests``).
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ class EngineLoop:
         self.after_step = after_step
         self.on_idle = on_idle
         self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
-        self._subscribers: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._subscribers: dict[str, OutputSlot] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.num_steps = 0
@@ -76,18 +80,28 @@ class EngineLoop:
         """Fire and forget, from any thread."""
         self._commands.put(lambda: fn(self.engine))
 
-    def subscribe(self, request_id: str) -> asyncio.Queue[RequestOutput]:
-        """The queue that will receive the request's outputs; call before the request can produce any."""
+    def subscribe(self, request_id: str) -> OutputSlot:
+        """The slot that will receive the request's outputs; call before the request can produce any."""
         q = self._subscribers.get(request_id)
         if q is None:
-            q = self._subscribers[request_id] = asyncio.Queue()
+            q = self._subscribers[request_id] = OutputSlot()
         return q
+
+    @property
+    def num_subscribers(self) -> int:
+        return len(self._subscribers)
 
     def is_subscribed(self, request_id: str) -> bool:
         return request_id in self._subscribers
 
     def unsubscribe(self, request_id: str) -> None:
         self._subscribers.pop(request_id, None)
+
+    def fail_subscribers(self, message: str) -> None:
+        """End every open subscription with an error output (event loop); a last resort at shutdown
+        for requests the engine no longer knows."""
+        for request_id in list(self._subscribers):
+            self._deliver(error_output(request_id, message))
 
     # -- engine thread -------------------------------------------------------------------------
 
@@ -141,6 +155,36 @@ class EngineLoop:
         self.engine.abort_request(ids, RequestStatus.FINISHED_ERROR)
         for request_id in ids:
             self.publish(error_output(request_id, message))
+
+
+class OutputSlot:
+    """Where a request's outputs wait for their reader (event loop only).
+
+    The engine's outputs are cumulative (every one carries all tokens and text so far), so only
+    the newest unread one is kept: a reader slower than the engine costs one output, not one per
+    step. A final output is never replaced.
+    """
+
+    def __init__(self) -> None:
+        self._output: RequestOutput | None = None
+        self._ready = asyncio.Event()
+
+    def put_nowait(self, output: RequestOutput) -> None:
+        if self._output is not None and self._output.finished:
+            return
+        self._output = output
+        self._ready.set()
+
+    async def get(self) -> RequestOutput:
+        while self._output is None:
+            self._ready.clear()
+            await self._ready.wait()
+        output, self._output = self._output, None
+        self._ready.clear()
+        return output
+
+    def empty(self) -> bool:
+        return self._output is None
 
 
 def error_output(request_id: str, message: str) -> RequestOutput:

@@ -13,6 +13,11 @@ Request life cycle across processes (numbers match docs/architecture.md):
    ``KVBlocks`` frames and one ``KVCommit`` per request
 5. prefill -> proxy ``PrefillResult`` (control plane only: ok or an error)
 6. proxy -> either node ``AbortRequest`` on client disconnect or failure
+
+Deadlines (``ReserveRequest.deadline``, ``PrefillRequest.deadline``) are absolute wall-clock
+``time.time()`` seconds, 0 for none: proxy and nodes share a clock domain (NTP) in our
+deployments, and an absolute time survives queueing and retries on other nodes unchanged. A node
+drops a request whose deadline has passed, wherever it is, and frees its blocks.
 """
 
 from __future__ import annotations
@@ -69,6 +74,7 @@ class ReserveRequest(Message):
     params: SamplingParams
     lease_s: float
     local_prefill: bool = False
+    deadline: float = 0.0  # unix time (time.time()) after which nobody wants the result; 0: none
 
 
 class LandingDescriptor(Message):
@@ -92,6 +98,7 @@ class PrefillRequest(Message):
     prompt_token_ids: list[int]
     params: SamplingParams
     landing: LandingDescriptor
+    deadline: float = 0.0  # unix time (time.time()) after which nobody wants the result; 0: none
 
 
 class PrefillResult(Message):

@@ -3,6 +3,16 @@ internal HTTP plumbing.
 
 Internal APIs speak msgpack-encoded ``pdserve.messages`` structs; errors come back as
 OpenAI-style JSON bodies with a 4xx/5xx status so the proxy can pass them on.
+
+Admission and shutdown (the same for every role):
+
+- New work (a reserve, a prefill) is refused with 429 and Retry-After when the node already holds
+  ``max_waiting_requests`` queued requests, with 503 while it drains, with 504 when its deadline
+  has passed. A request whose deadline passes later is dropped wherever it is, blocks freed.
+- SIGTERM (or SIGINT) starts a drain: ``/health`` and ``/internal/load`` answer 503 (the proxy
+  stops routing here), new work gets 503, what the node holds runs to its end (streams finish,
+  prefills hand off their KV). Then the signal goes on to the server, which exits. Requests still
+  there after ``shutdown_timeout_s``, or at a second signal, end with an error output.
 """
 
 from __future__ import annotations
@@ -11,6 +21,10 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import signal
+import threading
+import time
+from collections.abc import Callable
 
 import msgspec
 from fastapi import FastAPI, HTTPException, Request
@@ -81,6 +95,32 @@ async def read_message(request: Request, kind: type) -> Message:
         return decode(body, kind)
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
         raise HTTPException(status_code=400, detail=f"malformed {kind.__name__}: {e}") from None
+
+
+class NodeRefused(Exception):
+    """The node does not take this request now; answered as an OpenAI-style error (with
+    Retry-After when ``retry_after`` is set) by the app's exception handler."""
+
+    def __init__(self, status_code: int, message: str, kind: str, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.kind = kind
+        self.retry_after = retry_after
+
+    def response(self) -> JSONResponse:
+        r = error_response(self.status_code, self.message, self.kind)
+        if self.retry_after is not None:
+            r.headers["retry-after"] = str(max(1, round(self.retry_after)))
+        return r
+
+
+RETRY_AFTER_S = 1.0
+"""What a refused caller is told to wait: a queue slot or KV blocks free within about a second."""
+DEADLINE_SWEEP_S = 0.05
+"""How often the engine thread looks for requests past their deadline."""
+FLUSH_TIMEOUT_S = 5.0
+"""After a drain ends requests with errors, how long their handlers get to send them."""
 
 
 def check_token(request: Request, token: str) -> None:
@@ -159,6 +199,24 @@ class NodeService:
     def forget(self, request_id: str) -> None:
         """Drop the service's own state of a request that is ending (engine thread)."""
 
+    def holds(self, request_id: str) -> bool:
+        """The service holds this request outside the engine (engine thread)."""
+        return False
+
+    def held_ids(self) -> list[str]:
+        """Requests the service holds outside the engine, queued ones included (engine thread)."""
+        return []
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests the service queues outside the engine's scheduler (engine thread)."""
+        return 0
+
+    def busy(self) -> bool:
+        """Work the node must finish before it exits, beyond the engine's requests and open
+        subscriptions: e.g. a KV send in flight (engine thread)."""
+        return False
+
     def add_routes(self, app: FastAPI) -> None: ...
 
     @property
@@ -180,6 +238,12 @@ class NodeState:
         self.publisher: IndexPublisher | None = None
         self.load: NodeLoad | None = None  # taken on the engine thread between steps
         self.metrics = NodeMetrics()
+        self.draining = False  # event loop: no new work; set once, by the first signal
+        self.num_admitting = 0  # event loop: new requests between admission and the engine's answer
+        self._drain_now: asyncio.Event | None = None
+        self._drain_task: asyncio.Task | None = None
+        self._deadlines: dict[str, float] = {}  # engine thread only: request id -> unix deadline
+        self._next_sweep = 0.0
 
     @property
     def transfer_bytes(self) -> int:
@@ -227,11 +291,16 @@ class NodeState:
     def _after_step(self, outputs: list[RequestOutput]) -> None:
         for service in self.services:
             service.after_step(outputs)
+        if self._deadlines:
+            for out in outputs:
+                if out.finished:
+                    self._deadlines.pop(out.request_id, None)
         self._publish_block_events()
 
     def _on_idle(self) -> None:
         for service in self.services:
             service.on_idle()
+        self._sweep_deadlines()
         self._publish_block_events()
         # A snapshot for /internal/load: answering a poll must not wait for a long step to end.
         self.load = node_load(self.engine)
@@ -242,14 +311,141 @@ class NodeState:
 
     def end_request(self, request_id: str, status: RequestStatus, message: str) -> None:
         """End a request wherever it is; its subscribers get an error output saying why."""
-        for service in self.services:
-            service.forget(request_id)
         engine = self.engine
         known = request_id in engine.scheduler.requests or request_id in engine.scheduler.held
+        known = known or any(s.holds(request_id) for s in self.services)
+        self._deadlines.pop(request_id, None)
+        for service in self.services:
+            service.forget(request_id)
         engine.abort_request([request_id], status)
         if known:
             logger.info("request %s ended: %s", request_id, message)
             self.loop.publish(error_output(request_id, message))
+
+    # -- admission and deadlines ----------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def admission(self, deadline: float = 0.0):
+        """Around taking new work (event loop): refuses it while draining, past its deadline, or
+        while ``max_waiting_requests`` other requests are being admitted (which bounds the engine
+        loop's inbox); the engine thread checks the queue itself (``check_room``)."""
+        if self.draining:
+            raise NodeRefused(503, "the node is shutting down", "unavailable", RETRY_AFTER_S)
+        if deadline and deadline <= time.time():
+            raise NodeRefused(504, "the request's deadline passed before the node took it", "timeout")
+        if self.num_admitting >= self.node.max_waiting_requests:
+            raise NodeRefused(429, "the node's admission queue is full", "overloaded", RETRY_AFTER_S)
+        self.num_admitting += 1
+        try:
+            yield
+        finally:
+            self.num_admitting -= 1
+
+    def num_waiting(self) -> int:
+        """Requests queued on the node: for the running batch, for their KV, for their stream."""
+        s = self.engine.scheduler
+        return len(s.waiting) + len(s.remote) + sum(x.num_waiting for x in self.services)
+
+    def check_room(self) -> None:
+        """Before queueing a request (engine thread): raises ``NodeRefused`` (429) when the node
+        already queues ``max_waiting_requests``."""
+        bound = self.node.max_waiting_requests
+        if self.num_waiting() >= bound:
+            raise NodeRefused(429, f"the node already queues {bound} requests", "overloaded", RETRY_AFTER_S)
+
+    def track_deadline(self, request_id: str, deadline: float) -> None:
+        """Drop the request once ``deadline`` (unix time; 0: none) passes (engine thread)."""
+        if deadline:
+            self._deadlines[request_id] = deadline
+
+    def _sweep_deadlines(self) -> None:
+        now = time.time()
+        if not self._deadlines or now < self._next_sweep:
+            return
+        self._next_sweep = now + DEADLINE_SWEEP_S
+        for request_id in [r for r, d in self._deadlines.items() if d <= now]:
+            self.end_request(request_id, RequestStatus.FINISHED_ABORTED, "the request's deadline passed")
+
+    # -- draining ------------------------------------------------------------------------------
+
+    def _is_idle(self) -> bool:
+        """Nothing left that must finish before the node exits (engine thread; the subscriber count
+        is the event loop's, read as one atomic ``len``)."""
+        s = self.engine.scheduler
+        if s.requests or s.held or self.loop.num_subscribers:
+            return False
+        return not any(x.busy() or x.held_ids() for x in self.services)
+
+    def _end_all(self, message: str) -> int:
+        """End every request the node holds with an error output (engine thread)."""
+        s = self.engine.scheduler
+        ids = list(s.requests) + list(s.held) + [r for x in self.services for r in x.held_ids()]
+        for request_id in dict.fromkeys(ids):
+            self.end_request(request_id, RequestStatus.FINISHED_ABORTED, message)
+        return len(ids)
+
+    def on_signal(self, signum: int, hand_on: Callable[[], None]) -> None:
+        """SIGTERM/SIGINT (event loop): the first starts a drain that calls ``hand_on`` (the
+        server's own handler) at its end; a second ends the drain's requests at once."""
+        if self._drain_task is None:
+            self._drain_task = asyncio.ensure_future(self._drain_then(hand_on))
+        elif self._drain_now is not None:
+            logger.warning("second signal: ending the requests left now")
+            self._drain_now.set()
+
+    async def _drain_then(self, hand_on: Callable[[], None]) -> None:
+        try:
+            await self.drain()
+        except Exception:
+            logger.exception("drain failed")
+        finally:
+            hand_on()
+
+    async def drain(self) -> None:
+        """Refuse new work, let the node's requests finish (at most ``shutdown_timeout_s``), end
+        what is left with an error output, and give handlers a moment to send it."""
+        self.draining = True
+        self._drain_now = asyncio.Event()
+        if self.loop is None:
+            return
+        timeout = self.node.shutdown_timeout_s
+        logger.info("draining: no new work; waiting up to %.0f s for the requests in flight", timeout)
+        give_up = time.monotonic() + timeout
+        while not await self.loop.call(lambda e: self._is_idle()):
+            left = give_up - time.monotonic()
+            if left <= 0 or self._drain_now.is_set():
+                n = await self.loop.call(lambda e: self._end_all("the node is shutting down"))
+                self.loop.fail_subscribers("the node is shutting down")
+                logger.warning("drain: ended %d request(s) still in flight", n)
+                flush_until = time.monotonic() + FLUSH_TIMEOUT_S
+                while time.monotonic() < flush_until and not await self.loop.call(lambda e: self._is_idle()):
+                    await asyncio.sleep(0.05)
+                break
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._drain_now.wait(), min(0.05, left))
+        logger.info("drained")
+
+
+def install_drain_handlers(state: NodeState) -> None:
+    """Route SIGTERM/SIGINT to ``NodeState.on_signal`` (main thread only), handing each on to the
+    handler found (the server's) once the drain ends."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        previous = signal.getsignal(sig)
+
+        def hand_on(sig: int = sig, previous=previous) -> None:
+            if callable(previous):
+                previous(sig, None)
+            else:  # SIG_DFL or SIG_IGN: let the default action happen
+                signal.signal(sig, previous)
+                signal.raise_signal(sig)
+
+        def handler(signum, frame, hand_on=hand_on) -> None:
+            loop.call_soon_threadsafe(state.on_signal, signum, hand_on)
+
+        signal.signal(sig, handler)
 
 
 def node_app(state: NodeState) -> FastAPI:
@@ -258,6 +454,7 @@ def node_app(state: NodeState) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         await state.start()
+        install_drain_handlers(state)
         try:
             yield
         finally:
@@ -276,10 +473,16 @@ def add_common_routes(app: FastAPI, state: NodeState) -> None:
     async def _http_error(request: Request, exc: HTTPException):
         return error_response(exc.status_code, str(exc.detail))
 
+    @app.exception_handler(NodeRefused)
+    async def _refused(request: Request, exc: NodeRefused):
+        return exc.response()
+
     @app.get("/health")
     async def health():
         if state.loop is None:
             return error_response(503, "starting", "unavailable")
+        if state.draining:
+            return error_response(503, "draining", "unavailable")
         return PlainTextResponse("ok")
 
     @app.get("/metrics")
@@ -296,6 +499,8 @@ def add_common_routes(app: FastAPI, state: NodeState) -> None:
     @app.get("/internal/load")
     async def load(request: Request):
         check_token(request, state.node.cluster_token)
+        if state.draining:  # routers take a node that does not report its load for one that is down
+            return error_response(503, "draining", "unavailable")
         return msgpack_response(state.load)
 
     @app.post("/internal/abort")

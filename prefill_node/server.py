@@ -40,7 +40,14 @@ from pdserve.messages import (
     PrefillRequest,
     PrefillResult,
 )
-from pdserve.node import NodeService, NodeState, check_token, msgpack_response, node_app, read_message
+from pdserve.node import (
+    NodeService,
+    NodeState,
+    check_token,
+    msgpack_response,
+    node_app,
+    read_message,
+)
 from pdserve.outputs import RequestOutput
 from pdserve.request import Request as EngineRequest
 from pdserve.request import RequestStatus
@@ -100,6 +107,9 @@ class PrefillService(NodeService):
     # -- engine thread -------------------------------------------------------------------------
 
     def add(self, engine: LLMEngine, msg: PrefillRequest) -> None:
+        """Queue the prompt; raises ``NodeRefused`` when the node's queue is full, ValueError for
+        a request the engine can never serve."""
+        self.state.check_room()
         params = msg.params
         # Only the first token is sampled here; stop strings are the decode node's concern.
         params = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1), stop=())
@@ -107,6 +117,12 @@ class PrefillService(NodeService):
             msg.request_id, None, params, prompt_token_ids=msg.prompt_token_ids, hold_blocks=True
         )
         self._landing[msg.request_id] = msg.landing
+        self.state.track_deadline(msg.request_id, msg.deadline)
+
+    def busy(self) -> bool:
+        # ``transfers`` belongs to the event loop: one atomic ``len`` read, and it is filled before
+        # the request reaches the engine and emptied after its send is over.
+        return bool(self._landing or self._shipping or len(self.transfers))
 
     async def _renew_leases(self) -> None:
         """While a prompt is on this node, renew its decode lease three times per lease length.
@@ -275,31 +291,49 @@ def add_prefill_routes(app: FastAPI, service: PrefillService) -> None:
         error = _validate(msg, state.engine.config.cache.block_size)
         if error:
             return msgpack_response(fail(msg, error), 500)  # a cluster bug, not the client's
-        try:
-            await service.handshake(msg.landing.kv_address)
-        except KVTransferError as e:
-            return msgpack_response(fail(msg, str(e)), 502)
         rid = msg.request_id
-        period = max(0.1, (msg.landing.lease_deadline - time.time()) / 3)
-        service.renewals[rid] = (msg.landing.kv_address, time.monotonic() + period, period)
+        async with state.admission(msg.deadline):  # raises NodeRefused: 429, 503 or 504
+            try:
+                await service.handshake(msg.landing.kv_address)
+            except KVTransferError as e:
+                return msgpack_response(fail(msg, str(e)), 502)
+            period = max(0.1, (msg.landing.lease_deadline - time.time()) / 3)
+            service.renewals[rid] = (msg.landing.kv_address, time.monotonic() + period, period)
+            try:
+                outputs, transfer = await _add(msg)
+            except ValueError as e:
+                service.renewals.pop(rid, None)
+                return msgpack_response(fail(msg, str(e)), 400)
+            except BaseException:
+                service.renewals.pop(rid, None)
+                raise
         try:
-            return await _prefill(msg)
+            return await _prefill(msg, outputs, transfer)
         finally:
             service.renewals.pop(rid, None)
 
-    async def _prefill(msg: PrefillRequest):
+    async def _add(msg: PrefillRequest):
+        """Queue the prompt in the engine; its output slot and the future of its KV send."""
         rid = msg.request_id
         outputs = state.loop.subscribe(rid)
         transfer = service.transfers[rid] = asyncio.get_running_loop().create_future()
         try:
             await state.loop.call(lambda e: service.add(e, msg))
-        except ValueError as e:
+        except BaseException as exc:
             state.loop.unsubscribe(rid)
             service.transfers.pop(rid, None)
-            return msgpack_response(fail(msg, str(e)), 400)
+            if isinstance(exc, asyncio.CancelledError):  # the add may still run: undo it after
+                gone = RequestStatus.FINISHED_ABORTED
+                state.loop.submit(lambda e: state.end_request(rid, gone, "proxy gone"))
+            raise
+        return outputs, transfer
+
+    async def _prefill(msg: PrefillRequest, outputs, transfer: asyncio.Future):
+        rid = msg.request_id
         try:
             out = await outputs.get()
-            if out.outputs[0].finish_reason == "error":
+            if out.outputs[0].finish_reason == "error":  # ended before its KV was sent: none will be
+                service.transfers.pop(rid, None)
                 return msgpack_response(fail(msg, str(out.outputs[0].stop_reason)), 500)
             await transfer
         except KVTransferError as e:

@@ -4,22 +4,203 @@ background thread (``pdserve up``, tests).
 Both start the proxy (tokenizer, node info, compatibility check) before uvicorn listens,
 so a ``ClusterError`` comes out of ``serve``/``ProxyServer.start`` as a plain exception
 instead of a traceback in uvicorn's log and exit status 3.
+
+Graceful shutdown (``serve``): the first SIGTERM or SIGINT closes the listening socket (new
+connections are refused) and answers 503 to new requests on open keep-alive connections; requests
+in flight, streams included, run to their end, for at most ``shutdown_timeout_s``; those still
+running then end with an OpenAI-style error (an error event and ``[DONE]`` on a stream), their
+requests aborted on the nodes; then uvicorn shuts down and the process exits with status 0. A
+second signal ends the requests in flight at once, a third exits without waiting for anything.
+
+uvicorn's own ``timeout_graceful_shutdown`` is no drain: it waits for open connections (streams
+included) but cancels them at its timeout, which cuts a stream off without an error event, and it
+re-raises the signal after shutdown, so the process dies by it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
+import logging
 import threading
+import time
+from types import FrameType
 
 import uvicorn
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from proxy.app import Proxy, create_app
 from proxy.config import ProxyConfig
+from proxy.protocol import error_body
+from proxy.responses import SSE_DONE, sse
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
+"""How long a drain waits for the requests in flight, unless the config has ``shutdown_timeout_s``."""
+FLUSH_TIMEOUT_S = 5.0
+"""How long requests ended by a drain get to send their error."""
+SHUTTING_DOWN = "the proxy is shutting down"
 
 
-def _uvicorn_config(config: ProxyConfig, proxy: Proxy, log_level: str) -> uvicorn.Config:
+class InFlight:
+    """ASGI middleware that keeps count of the HTTP requests in flight for a drain: while draining,
+    new requests get 503; ``end_all`` cancels those left and finishes their responses with an
+    error (an SSE error event and ``[DONE]`` when a stream has started)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+        self.draining = False
+        self._ending = False
+        self._inner: set[asyncio.Task] = set()  # the app's calls still running
+        self._active = 0  # requests whose response is not over (their error included)
+        self._idle = asyncio.Event()
+
+    @property
+    def num_inflight(self) -> int:
+        return self._active
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if self.draining:
+            await _send_error(send, None, SHUTTING_DOWN)
+            return
+        sent: dict[str, Message | bool | None] = {"start": None, "done": False}
+
+        async def tracked_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                sent["start"] = message
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                sent["done"] = True
+            await send(message)
+
+        self._active += 1
+        self._idle.clear()
+        inner = asyncio.ensure_future(self.app(scope, receive, tracked_send))
+        self._inner.add(inner)
+        try:
+            try:
+                await asyncio.wait({inner})
+            except asyncio.CancelledError:  # the server gave up on this request
+                inner.cancel()
+                raise
+            finally:
+                self._inner.discard(inner)
+            if self._ending and not sent["done"]:
+                with contextlib.suppress(Exception):
+                    await _send_error(send, sent["start"], "the proxy shut down before the request finished")
+                if inner.cancelled():
+                    return
+            inner.result()  # the app's own exception, if any
+        finally:
+            self._active -= 1
+            if self._active == 0:
+                self._idle.set()
+
+    async def wait_idle(self, timeout: float) -> bool:
+        if self._active == 0:
+            return True
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        return self._active == 0
+
+    async def end_all(self, timeout: float = FLUSH_TIMEOUT_S) -> int:
+        """Cancel the requests in flight (the app aborts them on the nodes) and send each its error."""
+        self._ending = True
+        n = len(self._inner)
+        for task in list(self._inner):
+            task.cancel()
+        await self.wait_idle(timeout)
+        return n
+
+
+async def _send_error(send: Send, start: Message | None, message: str) -> None:
+    """End a response with a 503 error: whole when nothing was sent, else as the last SSE event."""
+    if start is None:
+        body = json.dumps(error_body(503, message)).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        headers.append((b"connection", b"close"))
+        await send({"type": "http.response.start", "status": 503, "headers": headers})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+        return
+    headers = dict(start.get("headers", []))
+    body = b""
+    if headers.get(b"content-type", b"").startswith(b"text/event-stream"):
+        body = sse(error_body(503, message)) + SSE_DONE
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, with a drain of ``InFlight`` before its own shutdown (see the module
+    docstring); signals reach it in the main thread only."""
+
+    def __init__(self, config: uvicorn.Config, inflight: InFlight, shutdown_timeout_s: float) -> None:
+        super().__init__(config)
+        self.inflight = inflight
+        self.shutdown_timeout_s = shutdown_timeout_s
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain: asyncio.Task | None = None
+        self._now = asyncio.Event()
+        self._signals = 0
+
+    async def serve(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # A signal handler: it may interrupt the event loop anywhere, so it only schedules work.
+        self._signals += 1
+        if self._loop is None or not self.started or self._signals > 2:
+            self.should_exit = True
+            self.force_exit = self._signals > 2
+            return
+        self._loop.call_soon_threadsafe(self.begin_drain)
+
+    def begin_drain(self) -> None:
+        """Start the drain; called again, end the requests in flight now."""
+        if self._drain is None:
+            self._drain = asyncio.ensure_future(self._drain_then_exit())
+        else:
+            logger.warning("second signal: ending the requests in flight now")
+            self._now.set()
+
+    async def _drain_then_exit(self) -> None:
+        try:
+            self.inflight.draining = True
+            for server in self.servers:
+                server.close()  # new connections are refused from here on
+            timeout = self.shutdown_timeout_s
+            logger.info(
+                "draining: %d request(s) in flight, waiting up to %.0f s", self.inflight.num_inflight, timeout
+            )
+            give_up = time.monotonic() + timeout
+            while self.inflight.num_inflight and not self._now.is_set():
+                left = give_up - time.monotonic()
+                if left <= 0:
+                    break
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._now.wait(), min(0.1, left))
+            if self.inflight.num_inflight:
+                n = await self.inflight.end_all()
+                logger.warning("drain: ended %d request(s) still in flight with an error", n)
+        except Exception:
+            logger.exception("drain failed")
+        finally:
+            self.should_exit = True
+
+
+def _shutdown_timeout(config: ProxyConfig) -> float:
+    return float(getattr(config, "shutdown_timeout_s", DEFAULT_SHUTDOWN_TIMEOUT_S))
+
+
+def _uvicorn_config(
+    config: ProxyConfig, proxy: Proxy, log_level: str, app: ASGIApp | None = None
+) -> uvicorn.Config:
     return uvicorn.Config(
-        create_app(config, proxy),
+        app or create_app(config, proxy),
         host=config.host,
         port=config.port,
         log_level=log_level,
@@ -32,14 +213,16 @@ async def serve_async(config: ProxyConfig, log_level: str = "info") -> None:
     proxy = Proxy(config)
     await proxy.start()
     try:
-        await uvicorn.Server(_uvicorn_config(config, proxy, log_level)).serve()
+        inflight = InFlight(create_app(config, proxy))
+        uv_config = _uvicorn_config(config, proxy, log_level, inflight)
+        await DrainingServer(uv_config, inflight, _shutdown_timeout(config)).serve()
     finally:
         await proxy.close()
 
 
 def serve(config: ProxyConfig, log_level: str = "info") -> None:
-    """Run the proxy until SIGINT/SIGTERM. Raises ``ClusterError`` before listening when the
-    nodes do not answer within ``startup_timeout_s`` or are incompatible."""
+    """Run the proxy until SIGINT/SIGTERM, then drain (module docstring). Raises ``ClusterError``
+    before listening when the nodes do not answer within ``startup_timeout_s`` or are incompatible."""
     asyncio.run(serve_async(config, log_level))
 
 
