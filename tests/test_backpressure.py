@@ -1,0 +1,216 @@
+"""Backpressure and deadlines on real processes: nodes with a tiny --max-waiting-requests.
+
+A node over its bound refuses new work with 429 and Retry-After; the proxy (with no admission
+wait) turns a full cluster into 429 for the client; admitted requests complete. A request past
+its deadline is refused, or dropped wherever it is, with its blocks freed. Pools end idle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+
+from pdserve.cluster import ClusterConfig, LocalCluster, free_port
+from pdserve.config import ModelConfig
+from pdserve.messages import (
+    AbortRequest,
+    FrameReader,
+    LandingDescriptor,
+    NodeLoad,
+    PrefillRequest,
+    PrefillResult,
+    ReserveRequest,
+    StreamRequest,
+    TokenEvent,
+    decode,
+    encode,
+)
+from pdserve.sampling_params import SamplingParams
+
+MODEL = "SmolLM2-135M-Instruct"
+BOUND = 2
+
+
+@pytest.fixture(scope="module")
+def cluster(default_model_dir, tmp_path_factory):
+    cfg = ClusterConfig(
+        port=free_port(),
+        prefill_nodes=1,
+        decode_nodes=2,
+        threads_per_node=1,
+        log_dir=str(tmp_path_factory.mktemp("logs")),
+        redis_url="none",
+        min_remote_prefill_tokens=0,
+        extra_node_flags=f"--max-waiting-requests {BOUND} --kv-cache-memory-gib 0.25",
+        extra_proxy_flags="--admission-wait-s 0",
+    )
+    engine = ["--max-num-batched-tokens", "256", "--max-model-len", "2048"]
+    c = LocalCluster(cfg, engine, ModelConfig())
+    try:
+        c.start()
+        yield c
+    finally:
+        c.stop()
+
+
+def _url(c: LocalCluster, role: str) -> str:
+    return next(x.url for x in c.children if x.role == role)
+
+
+def _load(url: str) -> NodeLoad:
+    return decode(httpx.get(f"{url}/internal/load", timeout=10).content, NodeLoad)
+
+
+def _wait_idle(c: LocalCluster, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        loads = {x.role: _load(x.url) for x in c.children if not x.role.startswith("proxy")}
+        if all(
+            lo.free_blocks == lo.total_blocks and lo.running == lo.waiting == lo.waiting_for_kv == 0
+            for lo in loads.values()
+        ):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"pools not idle after {timeout} s: {loads}")
+        time.sleep(0.2)
+
+
+def _prompt(i: int, n: int) -> list[int]:
+    return [100 + (i * 7 + j) % 30000 for j in range(n)]
+
+
+def _reserve(url: str, rid: str, prompt: list[int], deadline: float = 0.0, lease_s: float = 60.0):
+    msg = ReserveRequest(rid, prompt, SamplingParams(max_tokens=2), lease_s=lease_s, deadline=deadline)
+    return httpx.post(f"{url}/internal/reserve", content=encode(msg), timeout=30)
+
+
+def _abort(url: str, rid: str) -> None:
+    httpx.post(f"{url}/internal/abort", content=encode(AbortRequest(rid)), timeout=10)
+
+
+def test_full_cluster_gets_429_with_retry_after(cluster):
+    """Eight long-ish requests at once on two decode nodes that queue two each: some are refused
+    (429 + Retry-After from the proxy), the others complete."""
+    proxy = _url(cluster, "proxy-0")
+    words = "Describe the water cycle in detail, step by step. " * 30  # ~300 tokens
+
+    async def run() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=120) as client:
+            body = {"model": MODEL, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+            return await asyncio.gather(
+                *(
+                    client.post(f"{proxy}/v1/completions", json={**body, "prompt": f"{i}. {words}"})
+                    for i in range(8)
+                )
+            )
+
+    responses = asyncio.run(run())
+    statuses = [r.status_code for r in responses]
+    assert set(statuses) <= {200, 429, 503}, [r.text for r in responses]
+    assert 200 in statuses and 429 in statuses, statuses
+    for r in responses:
+        if r.status_code == 200:
+            assert r.json()["usage"]["completion_tokens"] == 16
+        else:  # refused by a full decode node (429) or, with every queue of the prefill node full, 503
+            assert "retry-after" in r.headers and "error" in r.json(), r.text
+    _wait_idle(cluster)
+
+
+def test_decode_node_refuses_reservations_over_its_bound(cluster):
+    url = _url(cluster, "decode-0")
+    ids = [f"bp-d{i}" for i in range(BOUND + 1)]
+    try:
+        for rid in ids[:BOUND]:
+            assert _reserve(url, rid, _prompt(len(rid), 40)).status_code == 200
+        r = _reserve(url, ids[BOUND], _prompt(9, 40))
+        assert r.status_code == 429 and float(r.headers["retry-after"]) >= 1, r.text
+        assert r.json()["error"]["type"] == "overloaded"
+        assert _load(url).waiting_for_kv == BOUND
+    finally:
+        for rid in ids:
+            _abort(url, rid)
+    _wait_idle(cluster)
+
+
+def test_prefill_node_refuses_prompts_over_its_bound(cluster):
+    """Four prompts at once on a prefill node that queues two: one runs, two wait, the last gets 429."""
+    prefill = _url(cluster, "prefill-0")
+    decodes = [_url(cluster, "decode-0"), _url(cluster, "decode-1")]
+    placed = []
+    for i in range(4):
+        node, rid, prompt = decodes[i % 2], f"bp-p{i}", _prompt(1000 + i, 600)
+        r = _reserve(node, rid, prompt)
+        assert r.status_code == 200, r.text
+        placed.append((node, rid, prompt, decode(r.content, LandingDescriptor)))
+
+    async def run() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=120) as client:
+            return await asyncio.gather(
+                *(
+                    client.post(
+                        f"{prefill}/internal/prefill",
+                        content=encode(PrefillRequest(rid, prompt, SamplingParams(max_tokens=2), landing)),
+                    )
+                    for _, rid, prompt, landing in placed
+                )
+            )
+
+    try:
+        responses = asyncio.run(run())
+        statuses = [r.status_code for r in responses]
+        assert 429 in statuses and statuses.count(200) >= 1, [r.text for r in responses]
+        for r in responses:
+            if r.status_code == 429:
+                assert "retry-after" in r.headers
+            else:
+                assert r.status_code == 200 and decode(r.content, PrefillResult).ok, r.content
+    finally:
+        for node, rid, _, _ in placed:
+            _abort(node, rid)  # the refused ones still hold their reservation; the others finish
+    _wait_idle(cluster)
+
+
+def test_expired_deadline_is_refused_without_taking_blocks(cluster):
+    url = _url(cluster, "decode-1")
+    free = _load(url).free_blocks
+    r = _reserve(url, "bp-expired", _prompt(3, 40), deadline=time.time() - 1)
+    assert r.status_code == 504 and "deadline" in r.json()["error"]["message"], r.text
+    assert _load(url).free_blocks == free
+    _wait_idle(cluster)
+
+
+def test_short_deadline_drops_a_reservation_before_its_lease(cluster):
+    url = _url(cluster, "decode-1")
+    r = _reserve(url, "bp-short", _prompt(4, 100), deadline=time.time() + 1.0, lease_s=120.0)
+    assert r.status_code == 200, r.text
+    reader = FrameReader(TokenEvent)
+    events: list[TokenEvent] = []
+    start = time.monotonic()
+    with httpx.stream(
+        "POST", f"{url}/internal/stream", content=encode(StreamRequest("bp-short")), timeout=60
+    ) as resp:
+        for chunk in resp.iter_bytes():
+            events += reader.feed(chunk)
+    assert time.monotonic() - start < 20  # long before the 120 s lease
+    assert events[-1].finish_reason == "error" and "deadline" in events[-1].error, events
+    _wait_idle(cluster)
+
+
+def test_deadline_drops_a_prompt_on_the_prefill_node(cluster):
+    """A long prompt whose deadline passes while it waits or runs is dropped, its blocks freed."""
+    prefill, node = _url(cluster, "prefill-0"), _url(cluster, "decode-0")
+    prompt = _prompt(7, 1500)  # ~6 steps of 256 tokens
+    r = _reserve(node, "bp-late", prompt)
+    assert r.status_code == 200, r.text
+    landing = decode(r.content, LandingDescriptor)
+    msg = PrefillRequest("bp-late", prompt, SamplingParams(max_tokens=2), landing, deadline=time.time() + 0.5)
+    try:
+        r = httpx.post(f"{prefill}/internal/prefill", content=encode(msg), timeout=60)
+        # Dropped by the engine (500 with the reason) or, if admission came too late, refused (504).
+        assert r.status_code in (500, 504) and b"deadline" in r.content, (r.status_code, r.content)
+    finally:
+        _abort(node, "bp-late")  # as the proxy does when a prefill fails
+    _wait_idle(cluster)
