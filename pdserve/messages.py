@@ -204,7 +204,10 @@ def decode(data: bytes | memoryview, kind: type[T]) -> T:
     dec = _decoders.get(kind)
     if dec is None:
         dec = _decoders[kind] = msgspec.msgpack.Decoder(kind)
-    return dec.decode(data)
+    try:
+        return dec.decode(data)
+    except UnicodeDecodeError as e:  # msgspec lets invalid UTF-8 in a str out as this
+        raise msgspec.DecodeError(f"invalid UTF-8 in a string: {e}") from None
 
 
 _LEN = struct.Struct("<I")
