@@ -177,25 +177,30 @@ class _Pair:
         pending: _Posted | None = None  # received (or receiving) and not yet in the cache
         while True:
             try:
-                msg = self.jobs.get_nowait() if pending is not None else self.jobs.get()
-            except queue.Empty:  # nothing queued behind it: land the last chunk now
-                self._land(pending)
-                pending = None
-                continue
-            if msg is None:
+                try:
+                    msg = self.jobs.get_nowait() if pending is not None else self.jobs.get()
+                except queue.Empty:  # nothing queued behind it: land the last chunk now
+                    posted, pending = pending, None
+                    self._land(posted)
+                    continue
+                if msg is None:
+                    posted, pending = pending, None
+                    self._land(posted)
+                    return
+                if isinstance(msg, KVSend):
+                    posted = self._post(msg)
+                    landing, pending = pending, posted
+                    self._land(landing)
+                else:
+                    landing, pending = pending, None
+                    self._land(landing)
+                    self._commit(msg)
+            except Exception as e:  # nothing a peer sends may stop this thread: break the pair
+                logger.exception("KV pair %s: unexpected error", self.session[:8])
+                self._break(f"KV pair failed: {e}")
                 if pending is not None:
-                    self._land(pending)
-                return
-            if isinstance(msg, KVSend):
-                posted = self._post(msg)
-                if pending is not None:
-                    self._land(pending)
-                pending = posted
-            else:
-                if pending is not None:
-                    self._land(pending)
+                    self.plane.table.fail(pending.msg.request_id, self.broken)
                     pending = None
-                self._commit(msg)
 
     def _break(self, why: str) -> None:
         self.broken = why
@@ -287,9 +292,19 @@ class NcclReceiverPlane(ReceiverPlane):
         self.region_bytes = kv[0, 0].numel() * kv.element_size()
         self.cache_bytes = kv.numel() * kv.element_size()
         self.gloo_host = host if host not in ("0.0.0.0", "") else socket.gethostbyname(socket.gethostname())
-        # One store for every pair on this node; each pair works under its own prefix.
+        # One store for every pair on this node; each pair works under its own prefix. It listens
+        # on a socket bound here to the KV interface only (TCPStore alone binds every interface).
+        host = host or "0.0.0.0"
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        listener = socket.create_server((host, 0), family=family, backlog=128)
+        port = listener.getsockname()[1]
         self.store = dist.TCPStore(
-            host or "0.0.0.0", 0, is_master=True, wait_for_workers=False, multi_tenant=True
+            host,
+            port,
+            is_master=True,
+            wait_for_workers=False,
+            multi_tenant=True,
+            master_listen_fd=listener.detach(),  # the store owns the socket from here
         )
 
     def setup(self, peer: bytes, msg: KVSetup) -> KVSetupReply:

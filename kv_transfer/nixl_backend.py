@@ -46,6 +46,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import math
 import os
 import queue
 import threading
@@ -210,8 +211,11 @@ class NixlReceiverPlane(ReceiverPlane):
 
     def setup(self, peer: bytes, msg: KVSetup) -> KVSetupReply:
         address, num_layers, num_blocks, slab_bytes, device = msg.nixl_cache
-        if not msg.nixl_metadata or not address or num_blocks <= 0:
+        if not msg.nixl_metadata or not msg.nixl_agent or not address or num_blocks <= 0:
             return KVSetupReply(ok=False, error="the sender offered nixl without agent metadata and cache")
+        if not 0 < address < 1 << 64 or not 0 <= device < 1 << 16 or msg.nixl_mem not in ("DRAM", "VRAM"):
+            error = f"the sender's nixl cache is not valid memory: {msg.nixl_mem} at {address:#x} on {device}"
+            return KVSetupReply(ok=False, error=error)
         if (num_layers, slab_bytes) != (self.num_layers, self.slab_bytes):
             error = (
                 f"nixl KV layout mismatch: the sender's cache has {num_layers} layers of {slab_bytes}-byte "
@@ -261,28 +265,63 @@ class NixlReceiverPlane(ReceiverPlane):
             try:
                 while True:
                     job = self._jobs.get(timeout=idle_wait) if not inflight else self._jobs.get_nowait()
-                    self._start(*job, inflight)
+                    self._start_safely(*job, inflight)
                     if not inflight:
                         break
             except queue.Empty:
                 pass
             if not inflight and time.monotonic() < self._progress_until:
-                self.agent.get_new_notifs()  # progresses UCX; nothing is expected from senders
+                try:
+                    self.agent.get_new_notifs()  # progresses UCX; nothing is expected from senders
+                except Exception as e:
+                    logger.warning("progressing NIXL failed: %s", e)
             for read in list(inflight):
-                if self._poll(read):
+                if self._poll_safely(read):
                     inflight.remove(read)
             if inflight:
                 time.sleep(POLL_S)
         while inflight:  # shutting down: cancel what is left, and unpin it
             for read in list(inflight):
                 read.deadline = 0.0
-                if self._poll(read):
+                if self._poll_safely(read):
                     inflight.remove(read)
             time.sleep(POLL_S)
 
+    def _start_safely(self, remote: _Remote | None, msg: KVReady, inflight: list[_Read]) -> None:
+        """``_start``, and nothing a peer sent may stop the reader thread."""
+        try:
+            self._start(remote, msg, inflight)
+        except Exception:
+            logger.exception("KVReady for %r could not be handled", getattr(msg, "request_id", "?"))
+
+    def _poll_safely(self, read: _Read) -> bool:
+        """``_poll``, and nothing may stop the reader thread. A READ whose state cannot be read stays
+        pinned until its deadline and then ends as failed once its cancel went through, never
+        before: bytes may still be landing in the reserved blocks."""
+        try:
+            return self._poll(read)
+        except Exception as e:
+            if not read.cancel_logged:
+                logger.warning("polling the NIXL READ for %s failed: %s", read.msg.request_id, e)
+                read.cancel_logged = True
+            if time.monotonic() < read.deadline:
+                return False
+            try:
+                read.handle.release()
+            except Exception:
+                return False
+            msg = read.msg
+            self.table.end(msg.request_id, msg.dst_block_ids, 0, self.num_layers, f"NIXL READ failed: {e}")
+            self._notify(read.remote, msg, "NIXL READ failed")
+            return True
+
     def _refusal(self, remote: _Remote | None, msg: KVReady) -> str:
+        """Why this READ must not start ("" when it may): it may only ever land in blocks reserved
+        for ``msg.request_id``, from blocks inside the sender's registered cache."""
         if remote is None:
             return "KVReady on a connection without a nixl session"
+        if not math.isfinite(msg.timeout_s):
+            return f"KVReady with a timeout of {msg.timeout_s}"
         if len(msg.src_block_ids) != len(msg.dst_block_ids):
             return f"KVReady names {len(msg.src_block_ids)} source blocks for {len(msg.dst_block_ids)}"
         if not valid_block_ids(msg.src_block_ids, remote.num_blocks):
@@ -294,19 +333,20 @@ class NixlReceiverPlane(ReceiverPlane):
     def _start(self, remote: _Remote | None, msg: KVReady, inflight: list[_Read]) -> None:
         error = self._refusal(remote, msg)
         if error:
+            logger.warning("refusing a NIXL READ for %r: %s", msg.request_id[:64], error)
             self.table.fail(msg.request_id, error)
             self._notify(remote, msg, error)
             return
-        src, dst, lengths = coalesce(
-            msg.src_block_ids,
-            msg.dst_block_ids,
-            self.num_layers,
-            remote.num_blocks,
-            self.num_blocks,
-            self.slab_bytes,
-            MAX_DESC_BYTES,
-        )
-        try:
+        try:  # pinned from here: every way out ends the pin
+            src, dst, lengths = coalesce(
+                msg.src_block_ids,
+                msg.dst_block_ids,
+                self.num_layers,
+                remote.num_blocks,
+                self.num_blocks,
+                self.slab_bytes,
+                MAX_DESC_BYTES,
+            )
             kv = self.kv
             local = _descs(kv.data_ptr(), dst, lengths, _device_id(kv))
             local = self.agent.get_xfer_descs(local, _mem_type(kv))

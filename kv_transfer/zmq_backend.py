@@ -18,6 +18,16 @@ peer, multipart messages whose first frame is a msgpack ``Message``):
 * ``[KVCommit]`` -> ``[KVAck]``: the ack says whether every layer of every block landed
   inside a live reservation.
 
+Validation on the receiver (a hostile or broken peer can neither crash the node nor write
+outside a reservation): the cluster token is compared in constant time; what a connection
+passed (handshake, set-up) is state of that TCP connection, dropped when it closes, so a
+routing id reused by another connection inherits nothing; after the handshake every message
+must decode as a known type with the right number of frames, and a payload frame must name a
+layer range inside the model, distinct block ids, a byte length exactly what its header and the
+agreed shape imply, and blocks all reserved for its request (``ReservationTable``). A refused
+message logs a warning (rate-limited) and fails only the request it names; nothing a peer sends
+raises out of the receiver thread.
+
 On the zmq plane the sender copies the request's blocks out of its cache into one CPU
 staging tensor when ``send`` is called (the only copy on that side); frames point into that
 tensor (``copy=False``). The receiver reads each frame without copying it
@@ -27,6 +37,7 @@ and copies it straight into the reserved blocks: one copy per side.
 from __future__ import annotations
 
 import collections
+import hmac
 import itertools
 import logging
 import queue
@@ -40,6 +51,7 @@ from dataclasses import dataclass
 
 import torch
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from kv_transfer.base import (
     KVReceiver,
@@ -69,11 +81,56 @@ logger = logging.getLogger(__name__)
 
 MAX_FRAME_BYTES = 16 << 20
 """Payload frames are cut at layer boundaries to stay under this size (memory per frame)."""
+RECEIVE_HWM = 16
+"""Messages a receiver queues per connection before TCP pushes back: bounds what one peer, even
+one that never passes the handshake, can make the node hold (RECEIVE_HWM * MAX_FRAME_BYTES)."""
 HANDSHAKE_RESEND_S = 1.0
 
 _REQUESTS = KVHandshake | KVSetup | KVBlocks | KVReady | KVSend | KVCommit | KVRenew
 _REPLIES = KVHandshakeReply | KVSetupReply | KVAck
 _instances = itertools.count()
+
+
+def tokens_match(given: str, expected: str) -> bool:
+    """The cluster token check, in constant time; any token passes when none is configured."""
+    return not expected or hmac.compare_digest(given.encode(), expected.encode())
+
+
+class WarnLimiter:
+    """Refusals log a warning each, but a flood of them at most ``burst`` per ``window_s`` (then
+    one line with how many were left out), so a hostile peer cannot fill the disk with logs."""
+
+    def __init__(self, burst: int = 20, window_s: float = 10.0) -> None:
+        self.burst = burst
+        self.window_s = window_s
+        self._start = 0.0
+        self._count = 0
+        self._lock = threading.Lock()
+
+    def warning(self, fmt: str, *args) -> None:
+        with self._lock:
+            now = time.monotonic()
+            if now - self._start > self.window_s:
+                if self._count > self.burst:
+                    logger.warning("%d more KV refusals not logged", self._count - self.burst)
+                self._start, self._count = now, 0
+            self._count += 1
+            if self._count > self.burst:
+                return
+        logger.warning(fmt, *args)
+
+
+def _short(request_id: str) -> str:
+    return repr(request_id if len(request_id) <= 64 else request_id[:64] + "...")
+
+
+@dataclass
+class _Conn:
+    """A sender connection that passed the handshake: state of that TCP connection (``fd``), so
+    a ROUTER routing id reused by a later connection inherits nothing."""
+
+    fd: int
+    transport: str = ""  # agreed at set-up; "" before
 
 
 def _frame_layers(num_layers: int, bytes_per_layer: int) -> list[tuple[int, int]]:
@@ -127,9 +184,10 @@ class ZmqReceiver(KVReceiver):
         self._ctx = zmq.Context.instance()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._authed: set[bytes] = set()  # connections that passed the handshake
-        self._sessions: dict[bytes, str] = {}  # connection -> transport it set up
+        self._conns: dict[bytes, _Conn] = {}  # routing id -> connection that passed the handshake
+        self._warn = WarnLimiter()
         self._zmq_bytes = 0
+        self.num_refused = 0  # messages refused (tests and logs)
 
     @property
     def bytes_received(self) -> int:
@@ -144,6 +202,7 @@ class ZmqReceiver(KVReceiver):
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + (1 << 20))
+        sock.setsockopt(zmq.RCVHWM, RECEIVE_HWM)
         if self.port:
             sock.bind(f"tcp://{self.host}:{self.port}")
             port = self.port
@@ -173,70 +232,134 @@ class ZmqReceiver(KVReceiver):
     # -- receiver thread -----------------------------------------------------------------------
 
     def _serve(self, sock, pull, info: NodeInfo, table: ReservationTable, on_commit) -> None:
+        # Connections accepted and closed: per-connection state must not outlive its connection.
+        monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(pull, zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                events = dict(poller.poll(100))
-                if pull in events:
-                    while True:
-                        try:
-                            sock.send_multipart(pull.recv_multipart(zmq.NOBLOCK))
-                        except zmq.Again:
-                            break
-                if sock not in events:
-                    continue
-                frames = sock.recv_multipart(copy=False)
-                peer = frames[0].bytes
                 try:
-                    reply = self._handle(peer, frames[1:], info, table, on_commit)
-                except Exception as e:  # a bad frame must never take the node down
-                    logger.warning("dropping malformed KV message: %s", e)
-                    reply = None
-                if reply is not None:
-                    sock.send_multipart([frames[0], encode(reply)])
+                    self._serve_once(poller, sock, pull, monitor, info, table, on_commit)
+                except zmq.ContextTerminated:
+                    return
+                except Exception:  # nothing a peer sends may stop this thread
+                    logger.exception("KV receiver: unexpected error (still serving)")
         finally:
             self._outbox.close()
+            sock.disable_monitor()
+            monitor.close(linger=0)
             pull.close(linger=0)
             sock.close(linger=0)
 
+    def _serve_once(self, poller, sock, pull, monitor, info, table, on_commit) -> None:
+        events = dict(poller.poll(100))
+        if pull in events:
+            while True:
+                try:
+                    sock.send_multipart(pull.recv_multipart(zmq.NOBLOCK))
+                except zmq.Again:
+                    break
+        if sock not in events:
+            return
+        # Read connection events first: a connection's ACCEPTED event is queued before any message
+        # of it can arrive, so a reused routing id is never taken for the connection it replaced.
+        self._drain_monitor(monitor)
+        frames = sock.recv_multipart(copy=False)
+        peer = frames[0].bytes
+        try:
+            reply = self._handle(peer, frames[1:], info, table, on_commit)
+        except Exception as e:  # a bad frame must never take the node down
+            self._refused("dropping a malformed KV message: %s", e)
+            reply = None
+        if reply is not None:
+            sock.send_multipart([frames[0], encode(reply)])
+
+    def _drain_monitor(self, monitor) -> None:
+        while True:
+            try:
+                raw = monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                fd = parse_monitor_message(raw)["value"]  # ACCEPTED / DISCONNECTED: the socket's fd
+            except Exception:
+                continue
+            for peer in [p for p, c in self._conns.items() if c.fd == fd]:
+                self._forget(peer)
+
+    def _forget(self, peer: bytes) -> None:
+        conn = self._conns.pop(peer, None)
+        plane = self.planes.get(conn.transport) if conn is not None else None
+        if plane is not None:
+            plane.drop(peer)
+
+    def _refused(self, fmt: str, *args) -> None:
+        self.num_refused += 1
+        self._warn.warning(fmt, *args)
+
+    def _refuse(self, msg, why: str, table: ReservationTable):
+        """An authenticated message that cannot be acted on: fail the request it names (only that
+        one), log, and answer what its sender waits for."""
+        rid = getattr(msg, "request_id", "")
+        self._refused("refusing %s for %s: %s", type(msg).__name__, _short(rid), why)
+        if isinstance(rid, str) and rid:
+            table.fail(rid, why)
+        if isinstance(msg, KVCommit):
+            return KVAck(request_id=rid, ok=False, error=why)
+        if isinstance(msg, KVSetup):
+            return KVSetupReply(ok=False, error=why)
+        return None
+
     def _handle(self, peer: bytes, frames, info: NodeInfo, table: ReservationTable, on_commit):
+        if not frames:
+            raise ValueError("no frames")
+        fd = frames[0].get(zmq.SRCFD)
+        conn = self._conns.get(peer)
+        if conn is not None and conn.fd != fd:  # the routing id came back on another connection
+            self._forget(peer)
+            conn = None
         msg = decode(frames[0].buffer, _REQUESTS)
         if isinstance(msg, KVHandshake):
-            if self.cluster_token and msg.cluster_token != self.cluster_token:
+            self._forget(peer)  # a handshake starts the connection's state afresh
+            if len(frames) != 1:
+                self._refused("refusing a KV handshake of %d frames", len(frames))
+                return KVHandshakeReply(ok=False, error="malformed handshake")
+            if not tokens_match(msg.cluster_token, self.cluster_token):
+                self._refused("refusing KV peer %s: wrong cluster token", _short(msg.info.node_id))
                 return KVHandshakeReply(ok=False, error="wrong cluster token")
             mismatches = check_compatible(info, msg.info)
             if mismatches:
                 error = "incompatible peers: " + "; ".join(mismatches)
                 logger.error("refusing KV peer %s: %s", msg.info.node_id, error)
                 return KVHandshakeReply(ok=False, error=error, info=info)
-            self._authed.add(peer)
+            self._conns[peer] = _Conn(fd)
             return KVHandshakeReply(ok=True, info=info)
-        if peer not in self._authed:
-            logger.warning("ignoring %s from a KV peer that did not pass the handshake", type(msg).__name__)
+        if conn is None:
+            self._refused("ignoring %s from a KV peer that did not pass the handshake", type(msg).__name__)
             if isinstance(msg, KVCommit):
                 return KVAck(request_id=msg.request_id, ok=False, error="handshake first")
             return KVSetupReply(ok=False, error="handshake first") if isinstance(msg, KVSetup) else None
+        num_frames = 2 if isinstance(msg, KVBlocks) else 1
+        if len(frames) != num_frames:
+            return self._refuse(msg, f"{len(frames)} frames where {num_frames} belong", table)
         if isinstance(msg, KVSetup):
-            return self._setup(peer, msg)
+            return self._setup(peer, conn, msg)
         if isinstance(msg, KVRenew):
             table.renew(msg.request_ids)
             return None
-        transport = self._sessions.get(peer, "")
+        transport = conn.transport
         if isinstance(msg, KVBlocks):
             if transport != "zmq":
-                table.fail(
-                    msg.request_id, f"zmq KV frames on a connection set up for {transport or 'nothing'}"
-                )
-                return None
-            self._write(msg, frames[1] if len(frames) > 1 else None, table)
-            return None
+                why = f"zmq KV frames on a connection set up for {transport or 'nothing'}"
+                return self._refuse(msg, why, table)
+            error = self._write(msg, frames[1], table)
+            return self._refuse(msg, error, table) if error else None
         plane = self.planes.get(transport)
         if isinstance(msg, KVReady | KVSend):
             if plane is None or type(msg) is not _DATA_MESSAGE.get(transport):
-                table.fail(msg.request_id, f"{type(msg).__name__} on a connection set up for {transport!r}")
-                return None
+                why = f"{type(msg).__name__} on a connection set up for {transport!r}"
+                return self._refuse(msg, why, table)
             plane.handle(peer, msg)
             return None
         if plane is not None and plane.handles_commit:
@@ -247,7 +370,7 @@ class ZmqReceiver(KVReceiver):
             on_commit(msg)
         return KVAck(request_id=msg.request_id, ok=not error, error=error)
 
-    def _setup(self, peer: bytes, msg: KVSetup) -> KVSetupReply:
+    def _setup(self, peer: bytes, conn: _Conn, msg: KVSetup) -> KVSetupReply:
         chosen = next((t for t in msg.transports if t in self.transports), None)
         if chosen is None:
             return KVSetupReply(
@@ -255,7 +378,8 @@ class ZmqReceiver(KVReceiver):
                 error=f"no common KV transport: the sender offers {', '.join(msg.transports)}; "
                 f"this node accepts {', '.join(self.transports)}",
             )
-        previous = self.planes.get(self._sessions.pop(peer, ""))
+        previous = self.planes.get(conn.transport)
+        conn.transport = ""
         if previous is not None:
             previous.drop(peer)
         if chosen == "zmq":
@@ -267,21 +391,22 @@ class ZmqReceiver(KVReceiver):
                 logger.exception("setting up %s for a KV peer failed", chosen)
                 reply = KVSetupReply(ok=False, error=f"{chosen} set-up failed on the decode node: {e}")
         if reply.ok:
-            self._sessions[peer] = chosen
+            conn.transport = chosen
         return reply
 
-    def _write(self, msg: KVBlocks, payload, table: ReservationTable) -> None:
+    def _write(self, msg: KVBlocks, payload, table: ReservationTable) -> str:
+        """Copy one payload frame into its reserved blocks; "" or why it was refused."""
         kv = self.kv
         num_layers = msg.layer_end - msg.layer_start
-        shape = (num_layers, len(msg.block_ids), *kv.shape[2:])
-        expected = num_layers * len(msg.block_ids) * kv[0, 0].numel() * kv.element_size()
-        if payload is None or len(payload.buffer) != expected or msg.nbytes != expected or num_layers <= 0:
-            got = len(payload.buffer) if payload is not None else 0
-            table.fail(msg.request_id, f"KV frame of {got} bytes, expected {expected}")
-            return
+        if not 0 <= msg.layer_start < msg.layer_end <= kv.shape[0]:
+            return f"layer range [{msg.layer_start}, {msg.layer_end}) outside [0, {kv.shape[0]})"
         if not valid_block_ids(msg.block_ids, kv.shape[1]):
-            table.fail(msg.request_id, "KV frame names invalid or repeated block ids")
-            return
+            return "KV frame names invalid or repeated block ids"
+        expected = num_layers * len(msg.block_ids) * kv[0, 0].numel() * kv.element_size()
+        got = len(payload.buffer)
+        if got != expected or msg.nbytes != expected:
+            return f"KV frame of {got} bytes (header: {msg.nbytes}), expected {expected}"
+        shape = (num_layers, len(msg.block_ids), *kv.shape[2:])
 
         def copy() -> None:
             with warnings.catch_warnings():
@@ -291,18 +416,20 @@ class ZmqReceiver(KVReceiver):
             kv[msg.layer_start : msg.layer_end].index_copy_(1, ids, src.to(kv.device))
 
         error = table.write(msg.request_id, msg.block_ids, msg.layer_start, msg.layer_end, copy)
-        if error:
-            logger.warning("KV frame for %s refused: %s", msg.request_id, error)
-        else:
+        if not error:
             self._zmq_bytes += expected
+        return error
 
 
 _DATA_MESSAGE = {"nixl": KVReady, "nccl": KVSend}
 
 
 def valid_block_ids(block_ids: Sequence[int], num_blocks: int) -> bool:
+    """Non-empty, distinct, each in [0, num_blocks): a frame never names a block twice or one
+    outside the cache (the reservation table then checks they are the request's)."""
     return (
         bool(block_ids)
+        and len(block_ids) <= num_blocks
         and len(set(block_ids)) == len(block_ids)
         and 0 <= min(block_ids) <= max(block_ids) < num_blocks
     )
