@@ -68,6 +68,7 @@ class ScenarioResult:
     settle_s: float = 0.0  # from the last request's end until every pool was idle
     probe_s: float = 0.0  # how long the fresh requests after the scenario took (retries included)
     served_after: bool = False
+    crashed: list[str] = field(default_factory=list)  # processes that died without being killed
     duration_s: float = 0.0
     errors: dict[str, int] = field(default_factory=dict)  # error kind -> count
     notes: str = ""
@@ -591,6 +592,27 @@ class FaultCluster:
         self.lease_s = lease_s
         self.settle_s = settle_s
         self.proxy = next(c for c in cluster.children if c.role.startswith("proxy"))
+        self.ended: set[str] = set()  # roles of the children the harness killed or stopped
+
+    def kill(self, child) -> None:
+        self.ended.add(child.role)
+        kill9(child.proc)
+
+    def stop(self, child) -> None:
+        self.ended.add(child.role)
+        os.killpg(child.proc.pid, signal.SIGTERM)
+        try:
+            child.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            kill9(child.proc)
+
+    def crashed(self) -> list[str]:
+        """Nodes and proxies that died on their own (a bug, or the OOM killer on a shared host)."""
+        return [
+            f"{c.role} (exit code {c.proc.returncode}; log {c.log})"
+            for c in self.cluster.children
+            if c.proc.poll() is not None and c.role not in self.ended
+        ]
 
     @property
     def proxy_url(self) -> str:
@@ -603,8 +625,12 @@ class FaultCluster:
         return [c.url for c in self.alive("prefill") + self.alive("decode")]
 
     def restart_proxy(self) -> None:
-        """Start the dead proxy's twin (same nodes and flags, a new port) and use it from now on."""
-        self.cluster.add_proxy(*proxy_flags(self.proxy.proc))
+        """Start the dead proxy's twin (same flags, a new port) over the live nodes and use it from
+        now on. A proxy starts only once every node it lists answers, so dead ones are left out."""
+        flags = proxy_flags(self.proxy.proc)
+        for role in ("prefill", "decode"):
+            flags = replace_flag(flags, f"--{role}-urls", ",".join(c.url for c in self.alive(role)))
+        self.cluster.add_proxy(*flags)
         self.proxy = self.cluster.children[-1]
 
     def busy_node(self, role: str, load: Load, timeout: float = 60.0, running_only: bool = False):
@@ -636,15 +662,20 @@ class FaultCluster:
         """Load, fault, wait for every request, settle the pools, ``after`` (restarts), probe."""
         start = time.monotonic()
         result = ScenarioResult(name)
+        dead = self.crashed()
+        if dead:
+            raise AssertionError(f"died before {name!r} started, outside any fault: {dead}")
         load = Load(target or (lambda: self.proxy_url), specs, concurrency, self.deadline_s).start()
         try:
             result.notes = (inject(load) if inject else "") or ""
         finally:
             outcomes = load.wait()
         result.add(outcomes)
-        result.leaked_blocks, result.busy_requests, loads = settle(
-            self.node_urls(), self.token, self.settle_s
-        )
+        result.crashed = self.crashed()
+        settling = time.monotonic()
+        leaked, busy, loads = settle(self.node_urls(), self.token, self.settle_s)
+        result.leaked_blocks, result.busy_requests = leaked, busy
+        result.settle_s = time.monotonic() - settling
         if result.leaked_blocks or result.busy_requests:
             result.notes += f" not idle after {self.settle_s:.0f} s: {loads}"
         if after is not None:
@@ -698,8 +729,7 @@ def dropped_connections(fc: FaultCluster, num_requests: int, seed: int = 2) -> S
         def after() -> None:
             ok, why = probe(relayed.url)
             assert ok, f"the relayed proxy does not serve after the cuts: {why}"
-            os.killpg(relayed.proc.pid, signal.SIGTERM)
-            relayed.proc.wait(timeout=15)
+            fc.stop(relayed)
 
         try:
             return fc.run(
@@ -711,7 +741,7 @@ def dropped_connections(fc: FaultCluster, num_requests: int, seed: int = 2) -> S
             )
         finally:
             if relayed.proc.poll() is None:
-                kill9(relayed.proc)
+                fc.kill(relayed)
 
 
 def slow_kv(fc: FaultCluster, num_requests: int, seed: int = 3) -> ScenarioResult:
@@ -764,7 +794,7 @@ def proxy_kill(fc: FaultCluster, num_requests: int, seed: int = 6) -> ScenarioRe
     def inject(load: Load) -> str:
         load.wait_until(lambda: load.num_finished >= len(load.specs) // 4, 120, "a quarter of the load")
         in_flight = load.num_started - load.num_finished
-        kill9(fc.proxy.proc)
+        fc.kill(fc.proxy)
         return f"{in_flight} requests in flight at the kill"
 
     specs = make_specs(num_requests, seed, max_tokens=(4, 16))
@@ -776,7 +806,7 @@ def prefill_kill(fc: FaultCluster, num_requests: int, seed: int = 7) -> Scenario
 
     def inject(load: Load) -> str:
         victim = fc.busy_node("prefill", load)
-        kill9(victim.proc)
+        fc.kill(victim)
         return f"{victim.role} killed"
 
     specs = make_specs(num_requests, seed, prompt_words=(60, 200))
@@ -789,7 +819,7 @@ def decode_kill(fc: FaultCluster, num_requests: int, seed: int = 8) -> ScenarioR
     def inject(load: Load) -> str:
         load.wait_until(lambda: load.num_finished >= len(load.specs) // 4, 120, "a quarter of the load")
         victim = fc.busy_node("decode", load, running_only=True)
-        kill9(victim.proc)
+        fc.kill(victim)
         return f"{victim.role} killed"
 
     specs = make_specs(num_requests, seed, max_tokens=(8, 16))
@@ -821,7 +851,7 @@ CI_SIZES = {
 """Requests per scenario in the CI run (tests/test_fault_suite.py): about three minutes on 2 cores."""
 
 TOKEN = "fault-suite-token"
-LEASE_S = 3.0
+LEASE_S = 5.0
 """The proxy's --lease-s: short, so that a stalled transfer outlives it within seconds."""
 DEADLINE_S = 30.0
 """The proxy's --request-timeout-s: every request ends within it (the hung rule adds slack)."""
@@ -839,11 +869,15 @@ def fault_cluster(log_dir: str):
         decode_nodes=2,
         threads_per_node=1,
         log_dir=log_dir,
+        startup_timeout_s=300.0,  # the model is converted already; a node that cannot start is a failure
         cluster_token=TOKEN,
         min_remote_prefill_tokens=0,  # every prompt goes through a prefill node and a KV transfer
-        extra_node_flags="--heartbeat-ttl-s 2 --kv-transfer-timeout-s 10",
+        # A small KV cache: the host is shared, and four nodes at the default 1 GiB each invite
+        # the OOM killer.
+        extra_node_flags="--heartbeat-ttl-s 2 --kv-transfer-timeout-s 10 --kv-cache-memory-gib 0.25",
         extra_proxy_flags=(
-            f"--lease-s {LEASE_S:g} --request-timeout-s {DEADLINE_S:g} --load-poll-interval-s 0.5"
+            f"--lease-s {LEASE_S:g} --request-timeout-s {DEADLINE_S:g} --load-poll-interval-s 0.5 "
+            "--startup-timeout-s 60"
         ),
     )
     cluster = LocalCluster(cfg, [], ModelConfig())

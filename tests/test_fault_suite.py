@@ -31,6 +31,7 @@ def check(result: ScenarioResult, sent: int, no_errors: bool = False) -> None:
     assert result.hung == 0, where
     assert result.leaked_blocks == 0 and result.busy_requests == 0, where
     assert result.served_after, where
+    assert not result.crashed, where
     assert result.completed > 0, where
     if no_errors:
         assert result.errored == 0, where

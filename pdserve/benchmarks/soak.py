@@ -61,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
 
     print(faults.format_table(faults.RESULTS))
     print(f"report: {faults.REPORT_PATH}; logs: {log_dir}")
-    bad = [r for r in faults.RESULTS if r.hung or r.leaked_blocks or r.busy_requests or not r.served_after]
+    bad = [r for r in faults.RESULTS if r.hung or r.leaked_blocks or r.busy_requests or r.crashed]
+    bad += [r for r in faults.RESULTS if not r.served_after]
     return 1 if bad else 0
 
 
