@@ -874,7 +874,9 @@ def fault_cluster(log_dir: str):
         min_remote_prefill_tokens=0,  # every prompt goes through a prefill node and a KV transfer
         # A small KV cache: the host is shared, and four nodes at the default 1 GiB each invite
         # the OOM killer.
-        extra_node_flags="--heartbeat-ttl-s 2 --kv-transfer-timeout-s 10 --kv-cache-memory-gib 0.25",
+        extra_node_flags=(
+            "--heartbeat-ttl-s 2 --kv-transfer-timeout-s 10 --kv-cache-memory-gib 0.25 --max-model-len 1024"
+        ),
         extra_proxy_flags=(
             f"--lease-s {LEASE_S:g} --request-timeout-s {DEADLINE_S:g} --load-poll-interval-s 0.5 "
             "--startup-timeout-s 60"
