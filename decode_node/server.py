@@ -92,15 +92,24 @@ class DecodeService(NodeService):
 
     # -- engine thread -------------------------------------------------------------------------
 
-    def reserve(self, engine: LLMEngine, msg: ReserveRequest, deadline: float) -> list[int] | None:
-        """Reserve blocks for KV computed elsewhere; None when the node has too few free now.
+    def reserve(
+        self, engine: LLMEngine, msg: ReserveRequest, deadline: float
+    ) -> tuple[list[int], int] | None:
+        """Reserve blocks for KV computed elsewhere: (the blocks it must land in, the index of the
+        prompt block the first of them takes); None when the node has too few free now.
+
+        The prompt's cached prefix here is shared, not sent: only the blocks after it enter the
+        reservation table, so no KV message can ever write a block other requests may read.
         Raises ``NodeRefused`` when the node's queue is full."""
         self.state.check_room()
         block_ids = engine.reserve_remote(msg.request_id, msg.prompt_token_ids, msg.params)
-        if block_ids is not None:
-            self.table.add(msg.request_id, block_ids, deadline)
-            self.state.track_deadline(msg.request_id, msg.deadline)
-        return block_ids
+        if block_ids is None:
+            return None
+        request = engine.scheduler.requests[msg.request_id]
+        first = request.num_computed_tokens // engine.config.cache.block_size
+        self.table.add(msg.request_id, block_ids[first:], deadline)
+        self.state.track_deadline(msg.request_id, msg.deadline)
+        return block_ids[first:], first
 
     def accept_local(self, engine: LLMEngine, msg: ReserveRequest, deadline: float) -> bool:
         """Take a prompt to be computed here once its stream opens (so no output can come before
@@ -211,16 +220,16 @@ def add_decode_routes(app: FastAPI, service: DecodeService) -> None:
             try:
                 if msg.local_prefill:
                     taken = await state.loop.call(lambda e: service.accept_local(e, msg, deadline))
-                    block_ids = [] if taken else None
+                    reserved = ([], 0) if taken else None
                 else:
-                    block_ids = await state.loop.call(lambda e: service.reserve(e, msg, deadline))
+                    reserved = await state.loop.call(lambda e: service.reserve(e, msg, deadline))
             except ValueError as e:
                 state.loop.unsubscribe(msg.request_id)
                 return error_response(400, str(e))
             except BaseException:
                 state.loop.unsubscribe(msg.request_id)
                 raise
-        if block_ids is None:
+        if reserved is None:
             state.loop.unsubscribe(msg.request_id)
             message = "decode node has no free KV blocks for this prompt now"
             return NodeRefused(503, message, "overloaded", RETRY_AFTER_S).response()
@@ -230,7 +239,8 @@ def add_decode_routes(app: FastAPI, service: DecodeService) -> None:
                 request_id=msg.request_id,
                 node_id=state.info.node_id,
                 kv_address=state.info.kv_address,
-                block_ids=block_ids,
+                block_ids=reserved[0],
+                first_block=reserved[1],
                 num_prompt_tokens=len(msg.prompt_token_ids),
                 lease_deadline=0.0 if msg.local_prefill else deadline,
                 local_prefill=msg.local_prefill,

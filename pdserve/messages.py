@@ -78,7 +78,9 @@ class ReserveRequest(Message):
 
 
 class LandingDescriptor(Message):
-    """Where a prompt's KV must land on a decode node: block i of the prompt goes to block_ids[i]."""
+    """Where a prompt's KV must land on a decode node: block ``first_block + i`` of the prompt goes
+    to ``block_ids[i]``. The decode node holds the prompt's first ``first_block`` blocks in its own
+    prefix cache already, so they are neither sent nor writable."""
 
     request_id: str
     node_id: str
@@ -87,6 +89,7 @@ class LandingDescriptor(Message):
     num_prompt_tokens: int
     lease_deadline: float  # unix time after which the reservation is void
     local_prefill: bool = False  # the node computes the prompt itself: no KV to send, no lease
+    first_block: int = 0
 
 
 class StreamRequest(Message):

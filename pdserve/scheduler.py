@@ -118,14 +118,22 @@ class Scheduler:
     # -- KV computed elsewhere (decode side of disaggregation) ---------------------------------
 
     def reserve_remote(self, request: Request) -> list[int] | None:
-        """Reserve blocks for the whole prompt, whose KV another node will write; None if short.
+        """Reserve blocks for the prompt, whose KV another node will write; None if short.
 
-        The blocks stay out of the prefix cache until ``remote_kv_landed``: until then
-        their contents are not valid and no other request may share them.
+        The longest prefix this node has cached is shared, as a local prompt would share it:
+        the first ``request.num_computed_tokens // block_size`` returned blocks hold valid KV
+        already and must not be written (other requests may be reading them); only the rest
+        wait for the remote KV. Those stay out of the prefix cache until ``remote_kv_landed``:
+        until then their contents are not valid and no other request may share them.
         """
         self.validate(request)
-        if self.kv.allocate_slots(request, request.num_prompt_tokens, cache=False) is None:
+        hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+        if (
+            self.kv.allocate_slots(request, request.num_prompt_tokens - num_hit_tokens, hits, cache=False)
+            is None
+        ):
             return None
+        request.num_computed_tokens = num_hit_tokens
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.requests[request.request_id] = request
         self.remote[request.request_id] = request

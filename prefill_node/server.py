@@ -169,7 +169,7 @@ class PrefillService(NodeService):
                     landing.kv_address,
                     self.state.info,
                     out.request_id,
-                    src[sent:],
+                    src[landing.first_block + sent :],
                     landing.block_ids[sent:],
                     commit,
                     self.state.node.kv_transfer_timeout_s,
@@ -191,14 +191,17 @@ class PrefillService(NodeService):
                 or request.num_computed_tokens >= request.num_prompt_tokens
             ):
                 continue  # not started, or done: the finish path sends the rest with the commit
-            ready = min(request.num_computed_tokens // block_size, len(landing.block_ids))
+            ready = min(
+                request.num_computed_tokens // block_size - landing.first_block, len(landing.block_ids)
+            )
             sent = self._blocks_sent.get(request_id, 0)
             if request.num_preemptions != self._preemptions.get(request_id, 0):
                 sent = self._blocks_sent[request_id] = 0  # shipped blocks may be reused before read
                 self._preemptions[request_id] = request.num_preemptions
             if ready <= sent:
                 continue
-            src = engine.scheduler.kv.get_block_ids(request_id)[sent:ready]
+            first = landing.first_block
+            src = engine.scheduler.kv.get_block_ids(request_id)[first + sent : first + ready]
             try:
                 self.sender.send(
                     landing.kv_address,
@@ -262,9 +265,13 @@ def _validate(msg: PrefillRequest, block_size: int) -> str:
     if landing.num_prompt_tokens != len(msg.prompt_token_ids):
         n = len(msg.prompt_token_ids)
         return f"landing descriptor is for {landing.num_prompt_tokens} tokens, the prompt has {n}"
-    if len(landing.block_ids) != -(-len(msg.prompt_token_ids) // block_size):
+    num_blocks = -(-len(msg.prompt_token_ids) // block_size)
+    if not 0 <= landing.first_block < num_blocks:
+        return f"landing descriptor starts at block {landing.first_block} of {num_blocks}"
+    if len(landing.block_ids) != num_blocks - landing.first_block:
         return (
-            f"landing descriptor has {len(landing.block_ids)} blocks for {len(msg.prompt_token_ids)} tokens"
+            f"landing descriptor has {len(landing.block_ids)} blocks for blocks {landing.first_block} to "
+            f"{num_blocks - 1} of a {len(msg.prompt_token_ids)}-token prompt"
         )
     return ""
 

@@ -274,6 +274,11 @@ class Generation:
                 )
 
     @property
+    def _wall_deadline(self) -> float:
+        """The deadline on the nodes' clock (``time.time()``): they drop the request after it."""
+        return time.time() + (self.deadline - time.monotonic())
+
+    @property
     def _prompt(self) -> list[int]:
         return self.prompt_token_ids + self.emitted if self.emitted else self.prompt_token_ids
 
@@ -387,7 +392,9 @@ class Generation:
             for node in ranked:
                 local = self.d.plan_prefill(node, route)
                 rid = self.node_request_id
-                msg = ReserveRequest(rid, self._prompt, self._params, self.d.lease_s, bool(local))
+                msg = ReserveRequest(
+                    rid, self._prompt, self._params, self.d.lease_s, bool(local), deadline=self._wall_deadline
+                )
                 try:
                     landing = await node.client.reserve(msg)
                 except asyncio.CancelledError:
@@ -432,7 +439,9 @@ class Generation:
 
     async def _prefill(self, route: RouteRequest, landing: LandingDescriptor) -> PrefillResult:
         router = self.d.router
-        msg = PrefillRequest(self.node_request_id, self._prompt, self._params, landing)
+        msg = PrefillRequest(
+            self.node_request_id, self._prompt, self._params, landing, deadline=self._wall_deadline
+        )
         failed: list[str] = []
         for node in router.rank("prefill", route):
             self.prefill_node = node

@@ -97,3 +97,21 @@ def test_outputs_match_llm_generate(cluster, reference):
             break
         assert time.monotonic() < deadline, loads
         time.sleep(0.2)
+
+
+def test_decode_node_keeps_its_cached_prefix_and_receives_only_the_rest(cluster):
+    _, c = cluster
+    proxy, decode_url = _url(c, "proxy"), _url(c, "decode")
+    prompt = "Describe the harbor at dawn, ship by ship, in plain words. " * 25  # ~330 tokens
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
+    deltas, texts = [], []
+    for _ in range(2):
+        before = _metric(decode_url, "pdserve_kv_transfer_bytes_total")
+        r = httpx.post(f"{proxy}/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        texts.append(r.json()["choices"][0]["text"])
+        deltas.append(_metric(decode_url, "pdserve_kv_transfer_bytes_total") - before)
+    assert texts[0] == texts[1]
+    # ~21 blocks of 16 tokens the first time; the second time only the block after the cached
+    # prefix (get_computed_blocks leaves the last token, so its block, to be computed).
+    assert 0 < deltas[1] <= deltas[0] / 10, deltas

@@ -610,3 +610,33 @@ def test_randomized_seeds():
 )
 def test_randomized_hypothesis(seed, block_size, extra_blocks, budget, max_num_seqs, caching):
     run_random(seed, block_size, extra_blocks, budget, max_num_seqs, caching)
+
+
+def test_remote_reservation_shares_the_cached_prefix_and_lands():
+    sched = make_scheduler(num_blocks=16)
+    prompt = list(range(1, 11))  # 10 tokens: 2 full blocks of 4
+    a = make_request("a", prompt, max_tokens=1)
+    sched.add_request(a)
+    run_to_idle(sched)  # a's two full blocks stay cached
+
+    b = make_request("b", [*prompt[:8], 90, 91, 92, 93, 94], max_tokens=2)
+    block_ids = sched.reserve_remote(b)
+    assert block_ids[:2] == [0, 1] and len(block_ids) == 4  # 2 shared + 2 fresh for 13 tokens
+    assert b.num_computed_tokens == 8 and b.status == RequestStatus.WAITING_FOR_REMOTE_KV
+    sched.check_integrity()
+    c = make_request("c", [*prompt[:8], 90, 91, 92, 93, 94], max_tokens=1)
+    c_ids = sched.reserve_remote(c)
+    assert c_ids[:2] == [0, 1] and set(c_ids[2:]).isdisjoint(
+        block_ids
+    )  # b's fresh blocks: not before landing
+    sched.finish_requests(["c"], RequestStatus.FINISHED_ABORTED)
+
+    landed = sched.remote_kv_landed("b", 7, None, num_cached_tokens=0)
+    assert landed is b and b.num_computed_tokens == 13
+    run_to_idle(sched)
+    sched.check_integrity()
+    d = make_request("d", [*prompt[:8], 90, 91, 92, 93, 94], max_tokens=1)
+    assert sched.reserve_remote(d)[:3] == block_ids[:3]  # b's landed block is cached now
+    sched.finish_requests(["d"], RequestStatus.FINISHED_ABORTED)
+    sched.check_integrity()
+    assert not sched.has_unfinished() and sched.kv.num_free_blocks == 16
