@@ -175,11 +175,17 @@ class PrefixAware(RoutingPolicy):
     uncached term also counts as work taken from every later prompt on that node (and cache
     space spent on a second copy), hence its weight. A node holding the prefix wins until its
     queue outweighs about twice the prefix; then another node computes the prefix too, so one
-    hot prefix spreads instead of melting one node. Decode nodes by load first, then by how
-    much of the prompt they hold (what a local prefill would reuse), then free blocks. Without
-    index hits this is least-loaded by queued prompt tokens."""
+    hot prefix spreads instead of melting one node. Decode nodes: those within
+    ``decode_slack(least load)`` requests of the least loaded one count as equally loaded and
+    go by how much of the prompt they hold (blocks that need not move, or be computed there),
+    then by load and free blocks; a multi-turn conversation thus returns to the node that holds
+    its history unless that node is clearly busier. Without index hits this is least-loaded."""
 
     UNCACHED_WEIGHT = 2
+
+    @staticmethod
+    def decode_slack(least_load: int) -> int:
+        return max(2, least_load // 8)
 
     def __init__(self) -> None:
         self._turn = {"prefill": itertools.count(), "decode": itertools.count()}
@@ -187,6 +193,9 @@ class PrefixAware(RoutingPolicy):
     def rank(self, role: str, candidates: Sequence[NodeState], route: RouteRequest) -> list[NodeState]:
         n = len(candidates)
         start = next(self._turn[role]) % n
+        if role == "decode" and candidates:
+            least = min(node.load_score for node in candidates)
+            busy_above = least + self.decode_slack(least)
 
         def key(i: int) -> tuple:
             node = candidates[i]
@@ -194,7 +203,9 @@ class PrefixAware(RoutingPolicy):
             if role == "prefill":
                 cost = self.UNCACHED_WEIGHT * (route.num_tokens - cached) + node.queued_prefill_tokens
                 return (cost, -cached, (i - start) % n)
-            return (node.load_score, -cached, -node.free_block_fraction, (i - start) % n)
+            load = node.load_score
+            tier = 0 if load <= busy_above else load
+            return (tier, -cached, load, -node.free_block_fraction, (i - start) % n)
 
         return [candidates[i] for i in sorted(range(n), key=key)]
 

@@ -121,15 +121,24 @@ def test_prefix_aware_prefers_the_cached_node_until_its_queue_outweighs_the_pref
     assert policy.rank("prefill", r.prefill, RouteRequest("r", prompt))[0] is p0
 
 
-def test_prefix_aware_decode_ranking_is_load_then_cached_prefix():
+def test_prefix_aware_decode_ranking_is_cached_prefix_within_load_slack():
     r = router([info("prefill")], [info("decode", node_id="d0"), info("decode", node_id="d1")])
     d0, d1 = r.decode
     route = RouteRequest("r", list(range(64)), cached_blocks={"d1": 3}, block_size=16)
     policy = PrefixAware()
     for _ in range(2):  # rotation does not override the cached prefix
         assert policy.rank("decode", r.decode, route) == [d1, d0]
-    d1.num_inflight = 1
+    d1.num_inflight = 2  # within the slack (2 at light load): the prefix holder still wins
+    assert policy.rank("decode", r.decode, route) == [d1, d0]
+    d1.num_inflight = 3  # clearly busier: load wins
     assert policy.rank("decode", r.decode, route) == [d0, d1]
+    d0.num_inflight, d1.num_inflight = 80, 89  # slack grows with load (80 // 8 = 10)
+    assert policy.rank("decode", r.decode, route) == [d1, d0]
+    d1.num_inflight = 91
+    assert policy.rank("decode", r.decode, route) == [d0, d1]
+    uncached = RouteRequest("r", list(range(64)), block_size=16)
+    d0.num_inflight, d1.num_inflight = 1, 0  # no prefix anywhere: least loaded
+    assert policy.rank("decode", r.decode, uncached) == [d1, d0]
 
 
 def test_conditional_disaggregation_plan():
