@@ -851,7 +851,7 @@ CI_SIZES = {
 """Requests per scenario in the CI run (tests/test_fault_suite.py): about three minutes on 2 cores."""
 
 TOKEN = "fault-suite-token"
-LEASE_S = 5.0
+LEASE_S = 8.0
 """The proxy's --lease-s: short, so that a stalled transfer outlives it within seconds."""
 DEADLINE_S = 30.0
 """The proxy's --request-timeout-s: every request ends within it (the hung rule adds slack)."""
