@@ -314,6 +314,31 @@ def test_oversized_message_drops_only_that_connection(live):
     live.check()
 
 
+def test_routing_id_reused_by_another_connection_inherits_nothing(live):
+    """ROUTER routing ids can be chosen by the peer: a connection that takes over the id of one
+    that passed the handshake (after it closed) is not authenticated."""
+    ident = b"\x00\x12\x34\x56\x78"
+    first = live.ctx.socket(zmq.DEALER)
+    first.setsockopt(zmq.LINGER, 0)
+    first.setsockopt(zmq.ROUTING_ID, ident)
+    first.connect(live.address)
+    first.send(encode(KVHandshake(info("prefill-0"), TOKEN)))
+    assert decode(live._recv(first), KVHandshakeReply).ok
+    first.close(linger=0)
+    time.sleep(0.3)
+    second = live.ctx.socket(zmq.DEALER)
+    second.setsockopt(zmq.LINGER, 0)
+    second.setsockopt(zmq.ROUTING_ID, ident)
+    second.connect(live.address)
+    try:
+        second.send(encode(KVSetup("s", ["zmq"])))
+        reply = decode(live._recv(second), KVSetupReply)
+        assert not reply.ok and "handshake first" in reply.error
+    finally:
+        second.close(linger=0)
+    live.check()
+
+
 def test_legitimate_transfer_after_fuzzing(live, capsys):
     """Runs after the fuzz tests (file order): the receiver still moves KV, and reports the count."""
     src = torch.randn(L, NB, 2, BS, H, D)
