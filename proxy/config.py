@@ -85,6 +85,9 @@ class ProxyConfig:
     """How many times one request may move to other nodes after a node died under it: a decode
     node that dies mid-stream (the request resumes on another decode node from its prompt plus
     the tokens already streamed) or a prefill node that dies before the hand-off."""
+    shutdown_timeout_s: float = 30.0
+    """On SIGTERM the proxy stops accepting, then waits this long for the requests in flight
+    (streams included); those still running then end with an error event."""
     load_poll_interval_s: float = 1.0
     """How often each node's load is polled (also how fast a dead node is noticed)."""
     startup_timeout_s: float = 600.0
@@ -114,6 +117,8 @@ class ProxyConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.shutdown_timeout_s < 0:
+            raise ValueError(f"shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s}")
         if self.max_migrations < 0:
             raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations}")
         if self.admission_wait_s < 0:

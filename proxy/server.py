@@ -37,8 +37,6 @@ from proxy.responses import SSE_DONE, sse
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
-"""How long a drain waits for the requests in flight, unless the config has ``shutdown_timeout_s``."""
 FLUSH_TIMEOUT_S = 5.0
 """How long requests ended by a drain get to send their error."""
 SHUTTING_DOWN = "the proxy is shutting down"
@@ -192,10 +190,6 @@ class DrainingServer(uvicorn.Server):
             self.should_exit = True
 
 
-def _shutdown_timeout(config: ProxyConfig) -> float:
-    return float(getattr(config, "shutdown_timeout_s", DEFAULT_SHUTDOWN_TIMEOUT_S))
-
-
 def _uvicorn_config(
     config: ProxyConfig, proxy: Proxy, log_level: str, app: ASGIApp | None = None
 ) -> uvicorn.Config:
@@ -215,7 +209,7 @@ async def serve_async(config: ProxyConfig, log_level: str = "info") -> None:
     try:
         inflight = InFlight(create_app(config, proxy))
         uv_config = _uvicorn_config(config, proxy, log_level, inflight)
-        await DrainingServer(uv_config, inflight, _shutdown_timeout(config)).serve()
+        await DrainingServer(uv_config, inflight, config.shutdown_timeout_s).serve()
     finally:
         await proxy.close()
 
