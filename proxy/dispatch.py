@@ -443,6 +443,7 @@ class Generation:
             self.node_request_id, self._prompt, self._params, landing, deadline=self._wall_deadline
         )
         failed: list[str] = []
+        full: list[float] = []  # Retry-After of the nodes that answered 429 (queue full)
         for node in router.rank("prefill", route):
             self.prefill_node = node
             self._prefill_pending = True
@@ -463,6 +464,8 @@ class Generation:
                     self._prefill_pending = False
                     if exc.connect_failed:
                         router.mark_down(node, exc.message)
+                    if exc.status == 429:
+                        full.append(exc.retry_after or 1.0)
                     failed.append(f"{node.url}: {exc.message}")
                     continue
                 if exc.status:
@@ -486,4 +489,8 @@ class Generation:
             return result
         if not failed:
             raise ProxyError(503, "no compatible prefill node is available", retry_after=1)
+        if len(full) == len(failed):  # every prefill node's queue is full: the client may retry
+            raise ProxyError(
+                429, "every prefill node's queue is full: " + "; ".join(failed), retry_after=max(full)
+            )
         raise ProxyError(503, "no prefill node took the request: " + "; ".join(failed), retry_after=1)

@@ -109,12 +109,12 @@ def test_full_cluster_gets_429_with_retry_after(cluster):
 
     responses = asyncio.run(run())
     statuses = [r.status_code for r in responses]
-    assert set(statuses) <= {200, 429, 503}, [r.text for r in responses]
+    assert set(statuses) <= {200, 429}, [r.text for r in responses]
     assert 200 in statuses and 429 in statuses, statuses
     for r in responses:
         if r.status_code == 200:
             assert r.json()["usage"]["completion_tokens"] == 16
-        else:  # refused by a full decode node (429) or, with every queue of the prefill node full, 503
+        else:  # refused by a full decode node or with every prefill node's queue full: both 429
             assert "retry-after" in r.headers and "error" in r.json(), r.text
     _wait_idle(cluster)
 
