@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from pdserve.messages import KVAck, KVCommit, NodeInfo
@@ -302,8 +303,9 @@ class SenderPlane(ABC):
         """This plane's fields of the KVSetup the sender offers."""
 
     @abstractmethod
-    def stage(self, kv: torch.Tensor, block_ids: Sequence[int]) -> Staged:
-        """On the caller's thread: the blocks in the form ``deliver`` wants (a copy, or their ids)."""
+    def stage(self, kv: torch.Tensor, block_ids: Sequence[int], dst_block_ids: Sequence[int]) -> Staged:
+        """On the caller's thread: the blocks in the form ``deliver`` wants (a copy, or their ids
+        to move in place); ``dst_block_ids`` are where they land in the peer's cache."""
 
     @abstractmethod
     def connect(self, peer, setup, reply, deadline: float) -> SenderSession:
@@ -348,6 +350,48 @@ class Staged:
         event = self.event(layer_end)
         if event is not None:
             event.synchronize()
+
+
+def coalesce(
+    src_block_ids: Sequence[int],
+    dst_block_ids: Sequence[int],
+    layer_start: int,
+    layer_end: int,
+    src_num_blocks: int,
+    dst_num_blocks: int,
+    slab_bytes: int,
+    max_bytes: int = 0,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Byte offsets in the source cache, in the destination cache, and lengths of the runs that
+    move layers [layer_start, layer_end) of ``src_block_ids[i]`` into ``dst_block_ids[i]`` (caches
+    laid out [L, NB, 2, BS, Hkv, D], each with its own NB, so a (layer, block) slab is contiguous).
+    Slabs consecutive in both caches share one run, which ``max_bytes`` (if set) caps."""
+    layers = np.arange(layer_start, layer_end, dtype=np.int64)[:, None]
+    # Slab index layer * NB + block, layer-major, so a run may continue into the next layer.
+    src = (layers * src_num_blocks + np.asarray(src_block_ids, dtype=np.int64)[None, :]).reshape(-1)
+    dst = (layers * dst_num_blocks + np.asarray(dst_block_ids, dtype=np.int64)[None, :]).reshape(-1)
+    breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
+    starts = np.concatenate(([0], breaks))
+    counts = np.diff(np.concatenate((starts, [len(src)])))
+    cap = max(1, max_bytes // slab_bytes) if max_bytes else 0
+    if cap and counts.max() > cap:  # cut long runs into pieces of ``cap`` slabs
+        pieces = -(-counts // cap)
+        first = np.repeat(starts, pieces)
+        k = np.arange(len(first)) - np.repeat(np.cumsum(pieces) - pieces, pieces)  # piece number in run
+        starts = first + k * cap
+        counts = np.minimum(np.repeat(counts, pieces) - k * cap, cap)
+    return src[starts] * slab_bytes, dst[starts] * slab_bytes, counts * slab_bytes
+
+
+def block_runs(src_block_ids: Sequence[int], dst_block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(source start, destination start, count) of the runs of blocks consecutive on both sides."""
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src_block_ids, dst_block_ids, strict=True):
+        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((s, d, 1))
+    return runs
 
 
 STAGE_CHUNK_BYTES = 64 << 20

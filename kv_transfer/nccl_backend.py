@@ -6,20 +6,35 @@ of its ``TCPStore``; both ends build a ``torch.distributed`` process group of tw
 ``ProcessGroupNCCL`` when the KV cache is on CUDA, ``ProcessGroupGloo`` when it is on the CPU.
 Everything else is one code path, so the CPU tests exercise what runs on GPUs.
 
-Per chunk of layers (at most ``CHUNK_BYTES``): the prefill node sends a ``KVSend`` header on
-the control connection, then ``send``s the staged ``[layers, n, 2, BS, Hkv, D]`` tensor (bytes)
-with the header's sequence number as tag. A per-pair thread on the decode node takes headers
-in order and ``recv``s them into two buffers in turn, posting chunk k+1's recv before it copies
-chunk k into the reserved blocks under the reservation table's lock (``ReservationTable.write``),
-on its own CUDA stream. On the prefill side chunk k is sent as soon as its layers are gathered.
-The commit queues behind the chunks on the same thread and is acked from there.
+Per chunk of layers (at most ``CHUNK_BYTES``) the prefill node sends a ``KVSend`` header on the
+control connection, then the chunk's bytes with the header's sequence number as tag, in one of
+two ways, chosen per send by the runs of blocks consecutive in both caches (``block_runs``):
+
+* **direct** (runs of ``DIRECT_MIN_RUN_BYTES`` or more per layer on average, CUDA): one ``send``
+  per (layer, run) straight out of the prefill node's cache and one ``recv`` straight into the
+  decode node's reserved blocks, fused into one NCCL group per chunk. Nothing is copied. The
+  header then names the source blocks too, so both ends cut the same runs. The decode node
+  pins the reservation (``ReservationTable.begin``) before posting the recvs and unpins it when
+  they completed or the communicator was aborted (``end``), so a reservation is never released
+  while bytes may still land in its blocks.
+* **staged** (fragmented blocks, or the CPU): the prefill node gathers the chunk into a
+  ``[layers, n, 2, BS, Hkv, D]`` tensor and sends it as one op; the decode node receives it into
+  one of two buffers in turn, posting chunk k+1's recv before it copies chunk k into the reserved
+  blocks under the reservation table's lock (``ReservationTable.write``).
+
+A per-pair thread on the decode node takes headers in order, on its own CUDA stream. On the
+prefill side chunk k is sent as soon as its layers are ready. The commit queues behind the
+chunks on the same thread and is acked from there.
 
 Failure: a header that does not fit the reservation is still received (into the buffer, then
 dropped) so the two ends stay in step, and fails the request at its commit. A recv or send
 that fails or outlives its deadline aborts the pair's communicator; the sender reconnects
-with a new session for its next request. Because a recv lands in the pair's buffers and
-reaches the cache only by a copy made after it completed (a broken pair drops them), an
-aborted or late transfer never writes into the cache, and released reservations take no copies.
+with a new session for its next request. A staged recv lands in the pair's buffers and reaches
+the cache only by a copy made after it completed (a broken pair drops them); a direct recv lands
+only in blocks pinned for its request until it completed or was aborted. Either way an aborted
+or late transfer never writes into blocks that are not (or no longer) reserved for it. A header
+whose blocks are not reserved (any more) is still received, into a scratch buffer, so the two
+ends stay in step; the request then fails at its commit.
 
 Known limit (CUDA): NCCL creates the communicator at the pair's first send/recv and blocks
 until both ranks join; a decode node that dies between set-up and its first recv leaves that
@@ -50,6 +65,8 @@ from kv_transfer.base import (
     SenderPlane,
     SenderSession,
     Staged,
+    block_runs,
+    in_place,
     layer_chunks,
     stage_blocks,
 )
@@ -62,7 +79,17 @@ logger = logging.getLogger(__name__)
 CHUNK_BYTES = STAGE_CHUNK_BYTES
 """Largest single send (as staging's chunks): chunk k+1 is sent while the decode node scatters
 chunk k, and chunk 0 while the prefill node still gathers the last layers."""
+DIRECT_MIN_RUN_BYTES = 2 << 20
+"""Shortest mean run (bytes per layer of blocks consecutive in both caches) moved directly from
+cache to cache; shorter runs are gathered and scattered, which costs two copies but one op."""
+DIRECT_ON_CPU = False
+"""Direct recvs into the cache must end when their communicator is aborted: NCCL's abort does
+that, gloo's is not relied on, so on the CPU only staged copies move unless this is set (tests
+of the direct path)."""
 RECV_TIMEOUT_S = 30.0
+DIRECT_RECV_TIMEOUT_S = 10.0
+"""A direct recv still running after this long aborts the pair: it bounds how long the engine
+thread's ``ReservationTable.release`` waits for a pinned reservation."""
 OP_TIMEOUT = datetime.timedelta(hours=1)
 """The process group's own timeout: far past ours, so that its watchdog (which may end the
 process) never fires first; we abort the communicator on our deadlines instead."""
@@ -87,6 +114,38 @@ def _wait(work, deadline: float, cuda: bool) -> None:
         if time.monotonic() >= deadline - 0.01 and "Timed out" in str(e):
             raise TimeoutError("timed out") from e
         raise
+
+
+def direct_allowed(kv: torch.Tensor) -> bool:
+    return kv.is_cuda or DIRECT_ON_CPU
+
+
+def _slab_bytes(kv: torch.Tensor) -> int:
+    return kv[0, 0].numel() * kv.element_size()
+
+
+def _run_views(
+    flat: torch.Tensor, runs: list[tuple[int, int, int]], side: int, layers: range, num_blocks: int, slab: int
+) -> list[torch.Tensor]:
+    """Byte views of a cache (``flat``: all of it as uint8) for each (layer, run), layer-major;
+    ``side`` picks the run's source (0) or destination (1) start."""
+    views = []
+    for layer in layers:
+        for run in runs:
+            start = (layer * num_blocks + run[side]) * slab
+            views.append(flat[start : start + run[2] * slab])
+    return views
+
+
+def _p2p(group, tensors: list[torch.Tensor], peer: int, tag: int, recv: bool) -> list:
+    """Post a send (or recv) of each tensor, in order; one fused NCCL group where supported."""
+    op = group.recv if recv else group.send
+    if len(tensors) > 1 and tensors[0].is_cuda and getattr(group, "supports_coalescing", False):
+        group._start_coalescing(tensors[0].device)
+        for t in tensors:
+            op([t], peer, tag)
+        return [group._end_coalescing(tensors[0].device)]
+    return [op([t], peer, tag) for t in tensors]
 
 
 def _local_address_toward(host: str) -> str:
@@ -129,12 +188,15 @@ def _abort(group) -> None:
 
 @dataclass
 class _Posted:
-    """A recv in flight: its header, work, buffer and deadline."""
+    """Recvs in flight for one header: staged (one recv into ``buf``) or direct (one per run,
+    into the cache: ``pinned`` when they land in the request's reserved blocks, else scratch)."""
 
     msg: KVSend
-    work: object
-    buf: torch.Tensor
+    works: list
+    buf: torch.Tensor | None
     deadline: float
+    direct: bool = False
+    pinned: bool = False
 
 
 class _Pair:
@@ -153,6 +215,7 @@ class _Pair:
         self.group = None
         self.broken = ""
         self._bufs: list[torch.Tensor | None] = [None, None]
+        self._scratch: torch.Tensor | None = None
         self._turn = 0
         self.thread = threading.Thread(target=self._run, name="kv-nccl-pair", daemon=True)
         self.thread.start()
@@ -198,13 +261,13 @@ class _Pair:
             except Exception as e:  # nothing a peer sends may stop this thread: break the pair
                 logger.exception("KV pair %s: unexpected error", self.session[:8])
                 self._break(f"KV pair failed: {e}")
-                if pending is not None:
-                    self.plane.table.fail(pending.msg.request_id, self.broken)
-                    pending = None
+                self._drop(pending, self.broken)
+                pending = None
 
     def _break(self, why: str) -> None:
         self.broken = why
         self._bufs = [None, None]
+        self._scratch = None
         logger.warning("KV pair %s: %s", self.session[:8], why)
         _abort(self.group)
         self.group = None
@@ -214,6 +277,8 @@ class _Pair:
         if self.broken:
             table.fail(msg.request_id, self.broken)
             return None
+        if msg.src_block_ids:
+            return self._post_direct(msg)
         if not 0 < msg.nbytes <= plane.cache_bytes:
             self._break(f"KVSend of {msg.nbytes} bytes cannot be received")
             table.fail(msg.request_id, self.broken)
@@ -229,21 +294,78 @@ class _Pair:
             self._break(f"nccl recv failed: {e}")
             table.fail(msg.request_id, self.broken)
             return None
-        return _Posted(msg, work, buf, time.monotonic() + RECV_TIMEOUT_S)
+        return _Posted(msg, [work], buf, time.monotonic() + RECV_TIMEOUT_S)
+
+    def _post_direct(self, msg: KVSend) -> _Posted | None:
+        """Post one recv per (layer, run) into the reserved blocks, pinned; into scratch if the
+        blocks are not reserved for the request (any more). A header whose runs cannot be cut as
+        the sender cut them breaks the pair: the two ends could not stay in step."""
+        plane, table, kv = self.plane, self.plane.table, self.plane.kv
+        n = len(msg.block_ids)
+        layers_ok = 0 <= msg.layer_start < msg.layer_end <= kv.shape[0]
+        if not (
+            direct_allowed(kv)
+            and layers_ok
+            and len(msg.src_block_ids) == n
+            and valid_block_ids(msg.block_ids, kv.shape[1])
+            and valid_block_ids(msg.src_block_ids, 1 << 31)
+            and msg.nbytes == (msg.layer_end - msg.layer_start) * n * plane.region_bytes
+        ):
+            self._break(f"direct KVSend of {msg.nbytes} bytes does not match its blocks and layers")
+            table.fail(msg.request_id, self.broken)
+            return None
+        runs = block_runs(msg.src_block_ids, msg.block_ids)
+        layers = range(msg.layer_start, msg.layer_end)
+        pinned = not table.begin(msg.request_id, msg.block_ids, msg.layer_start, msg.layer_end)
+        if pinned:
+            views = _run_views(plane.flat, runs, 1, layers, kv.shape[1], plane.region_bytes)
+        else:  # received to stay in step with the sender, then dropped
+            longest = max(count for _, _, count in runs) * plane.region_bytes
+            if self._scratch is None or self._scratch.numel() < longest:
+                self._scratch = torch.empty(longest, dtype=torch.uint8, device=kv.device)
+            views = [self._scratch[: count * plane.region_bytes] for _ in layers for _, _, count in runs]
+        try:
+            works = _p2p(self.group, views, 0, msg.seq, recv=True)
+        except Exception as e:
+            self._break(f"nccl recv failed: {e}")
+            if pinned:
+                table.end(msg.request_id, msg.block_ids, msg.layer_start, msg.layer_end, self.broken)
+            table.fail(msg.request_id, self.broken)
+            return None
+        deadline = time.monotonic() + DIRECT_RECV_TIMEOUT_S
+        return _Posted(msg, works, None, deadline, direct=True, pinned=pinned)
+
+    def _drop(self, posted: _Posted | None, error: str) -> None:
+        """Fail a posted header's request (its recvs were aborted with the pair) and unpin it."""
+        if posted is None:
+            return
+        msg = posted.msg
+        if posted.pinned:
+            self.plane.table.end(msg.request_id, msg.block_ids, msg.layer_start, msg.layer_end, error)
+        self.plane.table.fail(msg.request_id, error)
 
     def _land(self, posted: _Posted | None) -> None:
-        """Wait for a posted recv, then copy it into the reserved blocks if they still are."""
+        """Wait for a posted header's recvs; a staged one is then copied into the reserved blocks
+        if they still are, a direct one unpinned (it landed in place)."""
         if posted is None:
             return
         plane, kv, table, msg = self.plane, self.plane.kv, self.plane.table, posted.msg
         if self.broken:
-            table.fail(msg.request_id, self.broken)
+            self._drop(posted, self.broken)
             return
         try:
-            _wait(posted.work, posted.deadline, kv.is_cuda)
+            for work in posted.works:
+                _wait(work, posted.deadline, kv.is_cuda)
         except Exception as e:
-            self._break(f"nccl recv failed: {e}")
-            table.fail(msg.request_id, self.broken)
+            self._break(f"nccl recv failed: {e}")  # aborts the recvs: nothing lands after this
+            self._drop(posted, self.broken)
+            return
+        if posted.direct:
+            if posted.pinned:
+                table.end(msg.request_id, msg.block_ids, msg.layer_start, msg.layer_end)
+                plane.bytes_received += msg.nbytes
+            else:
+                table.fail(msg.request_id, f"direct KV chunk for {msg.request_id!r} arrived unreserved")
             return
         num_layers, n = msg.layer_end - msg.layer_start, len(msg.block_ids)
         fits = 0 <= msg.layer_start < msg.layer_end <= kv.shape[0] and valid_block_ids(
@@ -289,8 +411,9 @@ class NcclReceiverPlane(ReceiverPlane):
 
     def start(self, kv: torch.Tensor, table: ReservationTable, outbox, on_commit, host: str) -> None:
         self.kv, self.table, self.outbox, self.on_commit = kv, table, outbox, on_commit
-        self.region_bytes = kv[0, 0].numel() * kv.element_size()
+        self.region_bytes = _slab_bytes(kv)
         self.cache_bytes = kv.numel() * kv.element_size()
+        self.flat = kv.view(-1).view(torch.uint8)
         self.gloo_host = host if host not in ("0.0.0.0", "") else socket.gethostbyname(socket.gethostname())
         # One store for every pair on this node; each pair works under its own prefix. It listens
         # on a socket bound here to the KV interface only (TCPStore alone binds every interface).
@@ -354,13 +477,18 @@ class NcclSenderPlane(SenderPlane):
 
     def register(self, kv: torch.Tensor) -> None:
         self.kv = kv
+        self.flat = kv.view(-1).view(torch.uint8)
         self.stream = torch.cuda.Stream(kv.device) if kv.is_cuda else None
 
     def setup_fields(self) -> dict:
         return {"nccl_device": "cuda" if self.kv.is_cuda else "cpu"}
 
-    def stage(self, kv: torch.Tensor, block_ids: Sequence[int]) -> Staged:
-        return stage_blocks(kv, block_ids)  # on the cache's device; the caller may free the blocks
+    def stage(self, kv: torch.Tensor, block_ids: Sequence[int], dst_block_ids: Sequence[int]) -> Staged:
+        """In place when the blocks form long runs in both caches, else gathered on the cache's device."""
+        runs = block_runs(block_ids, dst_block_ids)
+        if direct_allowed(kv) and len(block_ids) * _slab_bytes(kv) >= DIRECT_MIN_RUN_BYTES * len(runs):
+            return in_place(kv, block_ids)  # the caller keeps them unchanged until the send is over
+        return stage_blocks(kv, block_ids)
 
     def connect(self, peer, setup: KVSetup, reply: KVSetupReply, deadline: float) -> NcclSession:
         host = urlsplit(peer.address).hostname or "127.0.0.1"
@@ -404,7 +532,9 @@ class NcclSession(SenderSession):
             raise KVTransferError(f"nccl send to KV peer {self.peer.address} failed: {e}") from e
 
     def _post(self, request_id: str, staged: Staged, dst_block_ids: list[int], deadline: float) -> list:
-        """Post every chunk's send (each after its layers are staged); NCCL queues them in order."""
+        """Post every chunk's send (each after its layers are ready); NCCL queues them in order."""
+        if staged.tensor is None:
+            return self._post_direct(request_id, staged, dst_block_ids, deadline)
         device = self.plane.kv.device
         tensor = staged.tensor.to(device, non_blocking=True)  # staged on the CPU before set-up: copied once
         bytes_per_layer = tensor[0].numel() * tensor.element_size()
@@ -419,6 +549,27 @@ class NcclSession(SenderSession):
                 [encode(KVSend(request_id, seq, list(dst_block_ids), l0, l1, part.numel()))], deadline
             )
             works.append(self.group.send([part], 1, seq))
+        return works
+
+    def _post_direct(
+        self, request_id: str, staged: Staged, dst_block_ids: list[int], deadline: float
+    ) -> list:
+        """One fused group of sends per layer chunk, one send per (layer, run), out of the cache."""
+        plane = self.plane
+        kv, slab = plane.kv, _slab_bytes(plane.kv)
+        src = list(staged.block_ids)
+        runs = block_runs(src, dst_block_ids)
+        works = []
+        for l0, l1 in layer_chunks(kv.shape[0], len(src) * slab, CHUNK_BYTES):
+            event = staged.event(l1)
+            if event is not None:
+                torch.cuda.current_stream().wait_event(event)
+            seq = next(self._seq)
+            nbytes = (l1 - l0) * len(src) * slab
+            header = KVSend(request_id, seq, list(dst_block_ids), l0, l1, nbytes, src_block_ids=src)
+            self.peer.send([encode(header)], deadline)
+            views = _run_views(plane.flat, runs, 0, range(l0, l1), kv.shape[1], slab)
+            works += _p2p(self.group, views, 1, seq, recv=False)
         return works
 
     def close(self) -> None:

@@ -64,6 +64,7 @@ from kv_transfer.base import (
     SenderPlane,
     SenderSession,
     Staged,
+    coalesce,
     in_place,
 )
 from kv_transfer.wire import KVReadDone, KVReady, KVSetup, KVSetupReply
@@ -119,36 +120,6 @@ def _device_id(t: torch.Tensor) -> int:
 
 def _slab_bytes(kv: torch.Tensor) -> int:
     return kv[0, 0].numel() * kv.element_size()
-
-
-def coalesce(
-    src_block_ids: Sequence[int],
-    dst_block_ids: Sequence[int],
-    num_layers: int,
-    src_num_blocks: int,
-    dst_num_blocks: int,
-    slab_bytes: int,
-    max_bytes: int = 0,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Byte offsets in the source cache, in the destination cache, and lengths of the descriptors
-    that move every layer of ``src_block_ids[i]`` into ``dst_block_ids[i]`` (caches laid out
-    [L, NB, 2, BS, Hkv, D], each with its own NB). Slabs consecutive in both caches share one
-    descriptor, which ``max_bytes`` (if set) caps."""
-    layers = np.arange(num_layers, dtype=np.int64)[:, None]
-    # Slab index layer * NB + block, layer-major, so a run may continue into the next layer.
-    src = (layers * src_num_blocks + np.asarray(src_block_ids, dtype=np.int64)[None, :]).reshape(-1)
-    dst = (layers * dst_num_blocks + np.asarray(dst_block_ids, dtype=np.int64)[None, :]).reshape(-1)
-    breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
-    starts = np.concatenate(([0], breaks))
-    counts = np.diff(np.concatenate((starts, [len(src)])))
-    cap = max(1, max_bytes // slab_bytes) if max_bytes else 0
-    if cap and counts.max() > cap:  # cut long runs into pieces of ``cap`` slabs
-        pieces = -(-counts // cap)
-        first = np.repeat(starts, pieces)
-        k = np.arange(len(first)) - np.repeat(np.cumsum(pieces) - pieces, pieces)  # piece number in run
-        starts = first + k * cap
-        counts = np.minimum(np.repeat(counts, pieces) - k * cap, cap)
-    return src[starts] * slab_bytes, dst[starts] * slab_bytes, counts * slab_bytes
 
 
 def _descs(base: int, offsets: np.ndarray, lengths: np.ndarray, device: int) -> np.ndarray:
@@ -341,6 +312,7 @@ class NixlReceiverPlane(ReceiverPlane):
             src, dst, lengths = coalesce(
                 msg.src_block_ids,
                 msg.dst_block_ids,
+                0,
                 self.num_layers,
                 remote.num_blocks,
                 self.num_blocks,
@@ -424,7 +396,7 @@ class NixlSenderPlane(SenderPlane):
             "nixl_mem": _mem_type(kv),
         }
 
-    def stage(self, kv: torch.Tensor, block_ids: Sequence[int]) -> Staged:
+    def stage(self, kv: torch.Tensor, block_ids: Sequence[int], dst_block_ids: Sequence[int]) -> Staged:
         return in_place(kv, block_ids)  # the peer reads them out of the registered cache
 
     def connect(self, peer, setup: KVSetup, reply: KVSetupReply, deadline: float) -> NixlSession:

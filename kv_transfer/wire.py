@@ -60,8 +60,10 @@ class KVReadDone(Message):
 
 
 class KVSend(Message):
-    """NCCL: one ``send`` of ``nbytes`` follows on the pair's communicator (tag ``seq``): layers
-    [layer_start, layer_end) of ``block_ids`` as a contiguous [layers, blocks, 2, BS, Hkv, D] tensor."""
+    """NCCL: ``nbytes`` of layers [layer_start, layer_end) of ``block_ids`` follow on the pair's
+    communicator (tag ``seq``). Staged (``src_block_ids`` empty): one ``send`` of a contiguous
+    [layers, blocks, 2, BS, Hkv, D] tensor. Direct: one ``send`` per layer and run of blocks
+    consecutive in both ``src_block_ids`` (the sender's cache) and ``block_ids``, layer-major."""
 
     request_id: str
     seq: int
@@ -69,3 +71,4 @@ class KVSend(Message):
     layer_start: int
     layer_end: int
     nbytes: int
+    src_block_ids: list[int] = []

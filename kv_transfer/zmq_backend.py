@@ -659,7 +659,7 @@ class ZmqSender(KVSender):
         peer = self._peer(address)
         plane = self.planes.get(peer.transport)  # read once: the peer thread may change it
         if plane is not None:
-            staged = plane.stage(self.kv, src_block_ids)
+            staged = plane.stage(self.kv, src_block_ids, dst_block_ids)
         else:
             # zmq, or not agreed yet: [L, n, 2, BS, Hkv, D] on the CPU, the only copy (a plane
             # agreed on later moves it, or, reading in place, the blocks themselves)

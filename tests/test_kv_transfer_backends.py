@@ -29,7 +29,23 @@ BACKENDS = [
         ),
     ),
     "nccl",
+    "nccl-direct",  # nccl moving blocks straight between the caches (not through staging buffers)
 ]
+
+
+def backend(name: str) -> str:
+    return "nccl" if name == "nccl-direct" else name
+
+
+@pytest.fixture(autouse=True)
+def _nccl_direct(request, monkeypatch):
+    """Tests of "nccl-direct" send every block straight from cache to cache, over gloo here."""
+    callspec = getattr(request.node, "callspec", None)
+    if callspec is not None and "nccl-direct" in callspec.params.values():
+        import kv_transfer.nccl_backend
+
+        monkeypatch.setattr(kv_transfer.nccl_backend, "DIRECT_ON_CPU", True)
+        monkeypatch.setattr(kv_transfer.nccl_backend, "DIRECT_MIN_RUN_BYTES", 0)
 
 
 def info(node_id: str, **kw) -> NodeInfo:
@@ -38,7 +54,7 @@ def info(node_id: str, **kw) -> NodeInfo:
 
 
 def make_sender(name: str, src: torch.Tensor, **kw):
-    sender = kv_transfer.create_sender(name, **kw)
+    sender = kv_transfer.create_sender(backend(name), **kw)
     sender.register_kv_cache(src)
     return sender
 
@@ -50,7 +66,7 @@ class Receiver:
         self.dst = torch.zeros(L, NB, 2, BS, H, D)
         self.table = ReservationTable(L, clock=clock)
         self.commits: list[KVCommit] = []
-        self.receiver = kv_transfer.create_receiver(name, cluster_token=cluster_token)
+        self.receiver = kv_transfer.create_receiver(backend(name), cluster_token=cluster_token)
         self.receiver.register_kv_cache(self.dst)
         self.address = self.receiver.start(info("decode-0"), self.table, self.commits.append)
 
@@ -264,22 +280,26 @@ def test_commit_refuses_kv_still_in_flight():
 
 
 @pytest.mark.parametrize("max_bytes", [0, 2 * 64, 3 * 64])
-def test_nixl_coalesces_runs_contiguous_on_both_sides(max_bytes):
-    from kv_transfer.nixl_backend import coalesce
+def test_coalesce_runs_contiguous_on_both_sides(max_bytes):
+    from kv_transfer.base import coalesce
 
     slab = 64  # bytes per (layer, block) slab; caches of 2 layers, 8 (source) and 6 (destination) blocks
-    src, dst, lengths = coalesce([3, 4, 5, 7], [0, 1, 2, 3], 2, 8, 6, slab)
+    src, dst, lengths = coalesce([3, 4, 5, 7], [0, 1, 2, 3], 0, 2, 8, 6, slab)
     # Per layer: 3,4,5 -> 0,1,2 is one run; 7 -> 3 is cut because 6 is skipped on the source side.
     assert (src // slab).tolist() == [3, 7, 11, 15] and (dst // slab).tolist() == [0, 3, 6, 9]
     assert (lengths // slab).tolist() == [3, 1, 3, 1]
     # Whole layers in order on both sides: one run across the layer boundary, cut by max_bytes.
-    src, dst, lengths = coalesce(range(8), range(8), 2, 8, 8, slab, max_bytes)
+    src, dst, lengths = coalesce(range(8), range(8), 0, 2, 8, 8, slab, max_bytes)
     pieces = max_bytes // slab if max_bytes else 16
     assert lengths.sum() == 16 * slab and lengths.max() == pieces * slab
     assert (src == dst).all() and src.tolist() == list(range(0, 16 * slab, pieces * slab))
     # Descending ids never merge.
-    src, dst, lengths = coalesce([5, 4], [1, 0], 1, 8, 6, slab)
+    src, dst, lengths = coalesce([5, 4], [1, 0], 0, 1, 8, 6, slab)
     assert (src // slab).tolist() == [5, 4] and (dst // slab).tolist() == [1, 0] and (lengths == slab).all()
+    # A layer range: only layers [1, 3) of 4, offsets from the start of each cache.
+    src, dst, lengths = coalesce([2, 3], [0, 1], 1, 3, 8, 6, slab)
+    assert (src // slab).tolist() == [10, 18] and (dst // slab).tolist() == [6, 12]
+    assert (lengths // slab).tolist() == [2, 2]
 
 
 # -- across processes: a receiver killed, a receiver that stops answering, a sender killed -----------
@@ -436,3 +456,24 @@ def test_many_chunks_in_flight_stay_in_step(name, monkeypatch):
     finally:
         sender.close()
         r.close()
+
+
+def test_nccl_moves_long_runs_in_place_and_gathers_fragments(monkeypatch):
+    """The sender's choice per send: blocks consecutive in both caches move straight out of the
+    cache (no copy); fragmented ones are gathered first (one op instead of one per block)."""
+    import kv_transfer.nccl_backend as nb
+    from kv_transfer.base import block_runs
+
+    assert block_runs([4, 5, 6, 9, 10], [0, 1, 2, 3, 4]) == [(4, 0, 3), (9, 3, 2)]
+    assert block_runs([4, 5, 6], [0, 2, 3]) == [(4, 0, 1), (5, 2, 2)]
+    kv = torch.randn(L, NB, 2, BS, H, D)
+    slab = kv[0, 0].numel() * 4
+    plane = nb.NcclSenderPlane()
+    plane.register(kv)
+    assert plane.stage(kv, [1, 2, 3, 4], [5, 6, 7, 8]).tensor is not None  # CPU: always staged
+    monkeypatch.setattr(nb, "DIRECT_ON_CPU", True)
+    monkeypatch.setattr(nb, "DIRECT_MIN_RUN_BYTES", 2 * slab)
+    assert plane.stage(kv, [1, 2, 3, 4], [5, 6, 7, 8]).tensor is None  # one run of 4 slabs per layer
+    assert plane.stage(kv, [1, 2, 3, 4], [5, 7, 9, 11]).tensor is not None  # four runs of one
+    staged = plane.stage(kv, [1, 3], [0, 1])
+    assert torch.equal(staged.tensor, kv[:, [1, 3]])

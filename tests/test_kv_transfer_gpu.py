@@ -81,9 +81,14 @@ class Remote:
             self.proc.join(timeout=10)
 
 
-@pytest.fixture(params=["nixl", "nccl"])
-def gpu_pair(request):
+@pytest.fixture(params=["nixl", "nccl", "nccl-direct"])
+def gpu_pair(request, monkeypatch):
     name = request.param
+    if name == "nccl-direct":  # every send straight from cache to cache, whatever its runs
+        import kv_transfer.nccl_backend
+
+        monkeypatch.setattr(kv_transfer.nccl_backend, "DIRECT_MIN_RUN_BYTES", 0)
+        name = "nccl"
     if name not in kv_transfer.available_transports():
         pytest.skip(f"{name} is not available here")
     send_dev, recv_dev = _devices(name)

@@ -179,16 +179,17 @@ def _median(times: list[float]) -> float:
     return times[len(times) // 2]
 
 
-def _time_transport(remote, sender, address, shape, n: int, repeats: int, tag: str) -> float:
+def _time_transport(remote, sender, address, shape, n: int, repeats: int, tag: str, src_ids=None) -> float:
     from pdserve.messages import KVCommit
 
+    src_ids = range(n) if src_ids is None else src_ids
     times = []
     for i in range(repeats + 1):  # the first run connects and warms up
         rid = f"{tag}-{n}-{i}"
         remote.call("reserve", (rid, n))
         start = time.perf_counter()
         ack = sender.send(
-            address, _info("bench-prefill", shape), rid, range(n), range(n), KVCommit(rid, 0), 120
+            address, _info("bench-prefill", shape), rid, src_ids, range(n), KVCommit(rid, 0), 120
         )
         ack = ack.result()
         times.append(time.perf_counter() - start)
@@ -205,7 +206,7 @@ def run(args: argparse.Namespace) -> dict:
         raise SystemExit("--device cuda needs two GPUs (sender on cuda:0, receiver on cuda:1)")
     send_dev, recv_dev = ("cuda:0", "cuda:1") if cuda else ("cpu", "cpu")
     shape = SHAPES[args.shape or ("llama-3-8b" if cuda else "smollm2-135m")]
-    sizes = [int(s) for s in (args.sizes_mib or ("4,16" if args.dry_run else "16,256,1024")).split(",")]
+    sizes = [int(s) for s in (args.sizes_mib or ("4,16" if args.dry_run else "16,64,256,1024")).split(",")]
     repeats = 1 if args.dry_run else args.repeats
     default = "nixl,nccl" if cuda else "nixl,nccl,zmq"
     transports = [
@@ -258,6 +259,19 @@ def run(args: argparse.Namespace) -> dict:
         for name, sender in senders.items():
             seconds = _time_transport(remote, sender, address, shape, n, repeats, name)
             row[f"pdserve_{name}_gb_s"] = nbytes / seconds / 1e9
+            # The same blocks taken in a shuffled order: no two consecutive in the source cache.
+            shuffled = torch.randperm(n, generator=torch.Generator().manual_seed(n)).tolist()
+            seconds = _time_transport(remote, sender, address, shape, n, repeats, name + "-s", shuffled)
+            row[f"pdserve_{name}_shuffled_gb_s"] = nbytes / seconds / 1e9
+        if "nccl" in senders and cuda:  # both of nccl's ways, whichever it would pick
+            import kv_transfer.nccl_backend as nccl_backend
+
+            picked = nccl_backend.DIRECT_MIN_RUN_BYTES
+            for mode, threshold in (("direct", 0), ("staged", 1 << 62)):
+                nccl_backend.DIRECT_MIN_RUN_BYTES = threshold
+                seconds = _time_transport(remote, senders["nccl"], address, shape, n, repeats, mode)
+                row[f"pdserve_nccl_{mode}_gb_s"] = nbytes / seconds / 1e9
+            nccl_backend.DIRECT_MIN_RUN_BYTES = picked
         if "nccl" in anchors:
             import torch.distributed as dist
 
@@ -289,7 +303,8 @@ def run(args: argparse.Namespace) -> dict:
                 assert remote.conn.recv() == nbytes
                 times.append(time.perf_counter() - start)
             row["raw_tcp_gb_s"] = nbytes / _median(times[1:]) / 1e9
-        for name in transports:
+        measured = [k[len("pdserve_") : -len("_gb_s")] for k in row if k.startswith("pdserve_")]
+        for name in measured:
             for anchor in ("raw_nccl", "raw_gloo", "raw_nixl_read", "raw_tcp"):
                 if f"{anchor}_gb_s" in row:
                     row[f"ratio_{name}_to_{anchor}"] = row[f"pdserve_{name}_gb_s"] / row[f"{anchor}_gb_s"]
@@ -341,15 +356,19 @@ def run(args: argparse.Namespace) -> dict:
             "dtype": dtype,
             "bytes_per_block": block_bytes,
         },
-        "what": "pdserve_<t>: time from KVSender.send (for nccl and zmq, copying the blocks out of the cache "
-        "included; nixl READs them in place) to the decode side's ack after every block landed in its "
-        "reserved slots, through transport t; "
+        "what": "pdserve_<t>: time from KVSender.send (for zmq and staged nccl, copying the blocks out of "
+        "the cache included; nixl READs them in place, direct nccl sends them in place) to the decode "
+        "side's ack after every block landed in its reserved slots, through transport t, blocks 0..n-1 "
+        "into reserved blocks 0..n-1 (runs consecutive in both caches); pdserve_<t>_shuffled: the "
+        "source blocks in a shuffled order (no two consecutive); pdserve_nccl_direct / _staged: nccl "
+        "forced to one of its two ways (pdserve_nccl: the one it picks, DIRECT_MIN_RUN_BYTES); "
         "raw_nccl (raw_gloo on the CPU): dist.send of one contiguous tensor until the receiver synced "
         "its recv; "
         "raw_nixl_read: one NIXL READ of one contiguous registered region, started by the receiver; "
         "raw_tcp: one socket, sendall into recv_into. GB/s = bytes / median time.",
         "repeats": repeats,
         "nixl_max_desc_bytes": max_desc_bytes,
+        "nccl_direct_min_run_bytes": __import__("kv_transfer.nccl_backend").nccl_backend.DIRECT_MIN_RUN_BYTES,
         "results": rows,
     }
     out = args.output or (
