@@ -252,9 +252,9 @@ def add_decode_routes(app: FastAPI, service: DecodeService) -> None:
         check_token(request, node.cluster_token)
         msg: StreamRequest = await read_message(request, StreamRequest)
         rid = msg.request_id
-        if not state.loop.is_subscribed(rid):
+        queue = state.loop.attach(rid)
+        if queue is None:
             return error_response(404, f"no reserved request {rid!r} to stream")
-        queue = state.loop.subscribe(rid)
         hold = holdback.pop(rid, 0)
         await state.loop.call(lambda e: service.start_local(e, rid))
 
@@ -269,8 +269,8 @@ def add_decode_routes(app: FastAPI, service: DecodeService) -> None:
                     if event.token_ids or event.text or finished:
                         yield frame(event)
             finally:
+                state.loop.unsubscribe(rid)  # (a final output that came before us left it there)
                 if not finished:  # the proxy went away: stop spending work on it
-                    state.loop.unsubscribe(rid)
                     state.loop.submit(
                         lambda e: state.end_request(rid, RequestStatus.FINISHED_ABORTED, "client gone")
                     )

@@ -242,6 +242,7 @@ class KVSender(ABC):
         dst_block_ids: Sequence[int],
         commit: KVCommit | None,
         timeout: float,
+        layer_events: Sequence | None = None,
     ) -> Future[KVAck | None]:
         """Deliver the blocks ``src_block_ids`` of the local cache into the peer's reserved
         ``dst_block_ids``. The caller keeps the source blocks unchanged until the future resolves,
@@ -251,7 +252,13 @@ class KVSender(ABC):
         out (for nixl: read by the peer); with one, it resolves to the peer's ack after it checked
         that every block of the reservation landed. Failures raise ``KVTransferError``; blocks of a
         failed partial send make the final commit fail, and a request whose send failed is never
-        committed, so partial KV (or bytes read from blocks reused after a failure) is never used."""
+        committed, so partial KV (or bytes read from blocks reused after a failure) is never used.
+
+        On CUDA the blocks may still be being written by kernels queued on the current stream:
+        the send waits for them. ``layer_events`` (one CUDA event per layer, after which that
+        layer of the blocks is written) lets a transport that moves blocks in place start on the
+        first layers while the last ones are computed; without them it waits for everything
+        queued so far."""
 
     @abstractmethod
     def close(self) -> None: ...
@@ -303,9 +310,16 @@ class SenderPlane(ABC):
         """This plane's fields of the KVSetup the sender offers."""
 
     @abstractmethod
-    def stage(self, kv: torch.Tensor, block_ids: Sequence[int], dst_block_ids: Sequence[int]) -> Staged:
+    def stage(
+        self,
+        kv: torch.Tensor,
+        block_ids: Sequence[int],
+        dst_block_ids: Sequence[int],
+        layer_events: Sequence | None = None,
+    ) -> Staged:
         """On the caller's thread: the blocks in the form ``deliver`` wants (a copy, or their ids
-        to move in place); ``dst_block_ids`` are where they land in the peer's cache."""
+        to move in place); ``dst_block_ids`` are where they land in the peer's cache;
+        ``layer_events`` as in ``KVSender.send``."""
 
     @abstractmethod
     def connect(self, peer, setup, reply, deadline: float) -> SenderSession:
@@ -422,11 +436,15 @@ def stage_blocks(kv: torch.Tensor, block_ids: Sequence[int]) -> Staged:
     return staged
 
 
-def in_place(kv: torch.Tensor, block_ids: Sequence[int]) -> Staged:
+def in_place(kv: torch.Tensor, block_ids: Sequence[int], layer_events: Sequence | None = None) -> Staged:
     """The blocks left where they are, for a transport that reads them out of the registered cache;
-    on CUDA with an event after the work queued so far on the current stream (what wrote them)."""
+    on CUDA with the events after which each layer is written (``layer_events``), or else one
+    after the work queued so far on the current stream (what wrote them)."""
     staged = Staged(None, list(block_ids))
-    if kv.is_cuda:
+    if kv.is_cuda and layer_events:
+        assert len(layer_events) == kv.shape[0], f"{len(layer_events)} layer events for {kv.shape[0]} layers"
+        staged.ready = [(i + 1, event) for i, event in enumerate(layer_events)]
+    elif kv.is_cuda:
         with torch.cuda.device(kv.device):
             event = torch.cuda.Event()
             event.record()

@@ -483,11 +483,19 @@ class NcclSenderPlane(SenderPlane):
     def setup_fields(self) -> dict:
         return {"nccl_device": "cuda" if self.kv.is_cuda else "cpu"}
 
-    def stage(self, kv: torch.Tensor, block_ids: Sequence[int], dst_block_ids: Sequence[int]) -> Staged:
-        """In place when the blocks form long runs in both caches, else gathered on the cache's device."""
+    def stage(
+        self,
+        kv: torch.Tensor,
+        block_ids: Sequence[int],
+        dst_block_ids: Sequence[int],
+        layer_events: Sequence | None = None,
+    ) -> Staged:
+        """In place when the blocks form long runs in both caches (each layer chunk's sends then
+        wait on the GPU for that chunk's layer event), else gathered on the cache's device once
+        everything queued so far is done."""
         runs = block_runs(block_ids, dst_block_ids)
         if direct_allowed(kv) and len(block_ids) * _slab_bytes(kv) >= DIRECT_MIN_RUN_BYTES * len(runs):
-            return in_place(kv, block_ids)  # the caller keeps them unchanged until the send is over
+            return in_place(kv, block_ids, layer_events)  # kept unchanged until the send is over
         return stage_blocks(kv, block_ids)
 
     def connect(self, peer, setup: KVSetup, reply: KVSetupReply, deadline: float) -> NcclSession:

@@ -66,6 +66,7 @@ from kv_transfer.base import (
     Staged,
     coalesce,
     in_place,
+    layer_chunks,
 )
 from kv_transfer.wire import KVReadDone, KVReady, KVSetup, KVSetupReply
 from kv_transfer.zmq_backend import valid_block_ids
@@ -80,6 +81,9 @@ MAX_READ_S = 10.0
 """A READ still running after this long is cancelled (it takes milliseconds on any sane link);
 it bounds how long the engine thread's ``ReservationTable.release`` can wait."""
 POLL_S = 0.0001
+LAYER_CHUNK_BYTES = 32 << 20
+"""With per-layer events, a send is offered in READs of layer chunks of about this size, each as
+soon as its layers are written."""
 
 
 def nixl_available() -> bool:
@@ -282,7 +286,9 @@ class NixlReceiverPlane(ReceiverPlane):
             except Exception:
                 return False
             msg = read.msg
-            self.table.end(msg.request_id, msg.dst_block_ids, 0, self.num_layers, f"NIXL READ failed: {e}")
+            self.table.end(
+                msg.request_id, msg.dst_block_ids, msg.layer_start, msg.layer_end, f"NIXL READ failed: {e}"
+            )
             self._notify(read.remote, msg, "NIXL READ failed")
             return True
 
@@ -299,7 +305,9 @@ class NixlReceiverPlane(ReceiverPlane):
             return f"KVReady names source blocks outside the sender's cache of {remote.num_blocks}"
         if not valid_block_ids(msg.dst_block_ids, self.num_blocks):
             return "KVReady names invalid or repeated block ids"
-        return self.table.begin(msg.request_id, msg.dst_block_ids, 0, self.num_layers)
+        if not 0 <= msg.layer_start < msg.layer_end <= self.num_layers:
+            return f"KVReady names layers [{msg.layer_start}, {msg.layer_end}) of {self.num_layers}"
+        return self.table.begin(msg.request_id, msg.dst_block_ids, msg.layer_start, msg.layer_end)
 
     def _start(self, remote: _Remote | None, msg: KVReady, inflight: list[_Read]) -> None:
         error = self._refusal(remote, msg)
@@ -312,8 +320,8 @@ class NixlReceiverPlane(ReceiverPlane):
             src, dst, lengths = coalesce(
                 msg.src_block_ids,
                 msg.dst_block_ids,
-                0,
-                self.num_layers,
+                msg.layer_start,
+                msg.layer_end,
                 remote.num_blocks,
                 self.num_blocks,
                 self.slab_bytes,
@@ -330,7 +338,7 @@ class NixlReceiverPlane(ReceiverPlane):
                 raise RuntimeError("the transfer was refused")
         except Exception as e:
             error = f"NIXL READ could not start: {e}"
-            self.table.end(msg.request_id, msg.dst_block_ids, 0, self.num_layers, error)
+            self.table.end(msg.request_id, msg.dst_block_ids, msg.layer_start, msg.layer_end, error)
             self._notify(remote, msg, error)
             return
         deadline = time.monotonic() + min(max(msg.timeout_s, 0.0), MAX_READ_S)
@@ -351,7 +359,7 @@ class NixlReceiverPlane(ReceiverPlane):
                 return False
         msg = read.msg
         error = {"DONE": "", "PROC": "NIXL READ timed out"}.get(state, "NIXL READ failed (peer gone?)")
-        self.table.end(msg.request_id, msg.dst_block_ids, 0, self.num_layers, error)
+        self.table.end(msg.request_id, msg.dst_block_ids, msg.layer_start, msg.layer_end, error)
         if not error:
             self.bytes_received += read.nbytes
         self._notify(read.remote, msg, error)
@@ -396,8 +404,14 @@ class NixlSenderPlane(SenderPlane):
             "nixl_mem": _mem_type(kv),
         }
 
-    def stage(self, kv: torch.Tensor, block_ids: Sequence[int], dst_block_ids: Sequence[int]) -> Staged:
-        return in_place(kv, block_ids)  # the peer reads them out of the registered cache
+    def stage(
+        self,
+        kv: torch.Tensor,
+        block_ids: Sequence[int],
+        dst_block_ids: Sequence[int],
+        layer_events: Sequence | None = None,
+    ) -> Staged:
+        return in_place(kv, block_ids, layer_events)  # the peer reads them out of the registered cache
 
     def connect(self, peer, setup: KVSetup, reply: KVSetupReply, deadline: float) -> NixlSession:
         with self._notif_lock:
@@ -428,21 +442,33 @@ class NixlSession(SenderSession):
         self.agent = agent
 
     def deliver(self, request_id: str, staged: Staged, dst_block_ids: list[int], deadline: float) -> None:
-        """Offer the blocks for one READ; returns once the peer reported it over (raises if it failed)."""
-        staged.wait()  # the kernels that wrote the blocks are done
-        xfer_id = next(self.plane._xfer_ids)
-        left = max(deadline - time.monotonic(), 0.0)
-        ready = KVReady(request_id, xfer_id, list(staged.block_ids), list(dst_block_ids), left)
-        self.peer.send([encode(ready)], deadline)
-        while True:
+        """Offer the blocks for READs, a chunk of layers as soon as the kernels that wrote it are
+        done (all layers at once without per-layer events); returns once the peer reported every
+        READ over (raises if one failed)."""
+        kv, src = self.plane.kv, list(staged.block_ids)
+        if len(staged.ready) > 1:
+            chunks = layer_chunks(kv.shape[0], len(src) * _slab_bytes(kv), LAYER_CHUNK_BYTES)
+        else:
+            chunks = [(0, kv.shape[0])]
+        pending: set[int] = set()
+        for l0, l1 in chunks:
+            staged.wait(l1)
+            xfer_id = next(self.plane._xfer_ids)
+            left = max(deadline - time.monotonic(), 0.0)
+            self.peer.send(
+                [encode(KVReady(request_id, xfer_id, src, list(dst_block_ids), l0, l1, left))], deadline
+            )
+            pending.add(xfer_id)
+        while pending:
             done = self.plane.take_notifs(self.agent)
-            if xfer_id in done:  # others are late reports of transfers given up
+            for xfer_id in pending & done.keys():  # others are late reports of transfers given up
                 if done[xfer_id]:
                     raise KVTransferError(f"KV peer {self.peer.address} refused a NIXL READ: {done[xfer_id]}")
-                return
-            if time.monotonic() > deadline:
+                pending.discard(xfer_id)
+            if pending and time.monotonic() > deadline:
                 raise KVTransferError(f"no reply from KV peer {self.peer.address} in time (NIXL READ)")
-            time.sleep(POLL_S)
+            if pending:
+                time.sleep(POLL_S)
 
     def close(self) -> None:
         pass

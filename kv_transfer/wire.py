@@ -37,17 +37,20 @@ class KVSetupReply(Message):
 
 
 class KVReady(Message):
-    """NIXL: every layer of ``src_block_ids`` in the sender's registered cache may be read now.
+    """NIXL: layers [layer_start, layer_end) of ``src_block_ids`` in the sender's registered cache
+    may be read now.
 
     The receiver READs (layer, ``src_block_ids[i]``) into its (layer, ``dst_block_ids[i]``) for
-    every layer, in place, and answers with a ``KVReadDone`` notification through NIXL carrying
-    ``xfer_id``; until then the sender keeps those blocks unchanged.
+    each of those layers, in place, and answers with a ``KVReadDone`` notification through NIXL
+    carrying ``xfer_id``; until then the sender keeps those blocks unchanged.
     """
 
     request_id: str
     xfer_id: int
     src_block_ids: list[int]
     dst_block_ids: list[int]
+    layer_start: int
+    layer_end: int
     timeout_s: float  # the READ is abandoned (and the request failed) after this long
 
 

@@ -652,6 +652,7 @@ class ZmqSender(KVSender):
         dst_block_ids: Sequence[int],
         commit: KVCommit | None,
         timeout: float,
+        layer_events: Sequence | None = None,
     ) -> Future[KVAck | None]:
         assert self.kv is not None, "register_kv_cache first"
         if len(src_block_ids) != len(dst_block_ids):
@@ -659,7 +660,7 @@ class ZmqSender(KVSender):
         peer = self._peer(address)
         plane = self.planes.get(peer.transport)  # read once: the peer thread may change it
         if plane is not None:
-            staged = plane.stage(self.kv, src_block_ids, dst_block_ids)
+            staged = plane.stage(self.kv, src_block_ids, dst_block_ids, layer_events)
         else:
             # zmq, or not agreed yet: [L, n, 2, BS, Hkv, D] on the CPU, the only copy (a plane
             # agreed on later moves it, or, reading in place, the blocks themselves)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +20,7 @@ from pdserve.outputs import CompletionOutput, RequestOutput
 from pdserve.request import Request, RequestStatus
 from pdserve.sampler import Sampler, SamplingRow, TokenLogprobs, make_generator
 from pdserve.sampling_params import SamplingParams
-from pdserve.scheduler import Scheduler
+from pdserve.scheduler import Scheduler, SchedulerOutput
 from pdserve.tokenizer import IncrementalDetokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -82,6 +83,11 @@ class LLMEngine:
         self.sampler = Sampler(self.eos_token_ids, seed=config.model.seed, device=config.torch_device)
         self._states: dict[str, _RequestState] = {}
         self._next_id = 0
+        self.on_launch: Callable[[SchedulerOutput, list | None], None] | None = None
+        """Runs on the engine thread right after a step's forward was launched, before its tokens
+        are sampled: with the step and, for an eager CUDA step, one event per layer after which
+        that layer's KV is written (else None: everything queued so far is). A prefill node ships
+        KV from here, layer by layer while the rest of the forward runs."""
         self.num_prompt_tokens_computed = 0
         """Prompt tokens this engine ran through the model (prefix-cache hits and remote KV excluded)."""
         logger.info(
@@ -251,7 +257,10 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
-        logits = self.runner.execute(out)
+        layer_events: list | None = [] if self.on_launch is not None else None
+        logits = self.runner.execute(out, layer_events)
+        if self.on_launch is not None:
+            self.on_launch(out, layer_events or None)
         for s in out.scheduled:
             prompt_end = min(s.start + s.num_tokens, s.request.num_prompt_tokens)
             self.num_prompt_tokens_computed += max(0, prompt_end - s.start)

@@ -34,6 +34,8 @@ T = TypeVar("T")
 
 class EngineLoop:
     IDLE_WAIT_S = 0.02
+    UNREAD_FINAL_S = 60.0
+    """How long a final output waits for a reader that has not attached yet (then it is dropped)."""
 
     def __init__(
         self,
@@ -94,6 +96,14 @@ class EngineLoop:
     def is_subscribed(self, request_id: str) -> bool:
         return request_id in self._subscribers
 
+    def attach(self, request_id: str) -> OutputSlot | None:
+        """The slot ``subscribe`` made, now with its reader (None if there is none): a slot whose
+        final output arrived before its reader is kept for it (``UNREAD_FINAL_S`` at most)."""
+        q = self._subscribers.get(request_id)
+        if q is not None:
+            q.attached = True
+        return q
+
     def unsubscribe(self, request_id: str) -> None:
         self._subscribers.pop(request_id, None)
 
@@ -112,8 +122,14 @@ class EngineLoop:
         q = self._subscribers.get(output.request_id)
         if q is not None:
             q.put_nowait(output)
-            if output.finished:
+            if output.finished and q.attached:
                 self._subscribers.pop(output.request_id, None)
+            elif output.finished:  # its reader is yet to come (``attach``)
+                self.loop.call_later(self.UNREAD_FINAL_S, self._drop_unread, output.request_id, q)
+
+    def _drop_unread(self, request_id: str, q: OutputSlot) -> None:
+        if self._subscribers.get(request_id) is q and not q.attached:
+            del self._subscribers[request_id]
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -168,6 +184,7 @@ class OutputSlot:
     def __init__(self) -> None:
         self._output: RequestOutput | None = None
         self._ready = asyncio.Event()
+        self.attached = False  # a reader took it (``EngineLoop.attach``)
 
     def put_nowait(self, output: RequestOutput) -> None:
         if self._output is not None and self._output.finished:

@@ -103,8 +103,12 @@ class ModelRunner:
         self.model.bind_kv_cache(list(self.kv_cache.unbind(0)))
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> torch.Tensor:
-        """Forward the step's tokens; returns float32 logits [N, vocab] of the rows that sample, in order."""
+    def execute(self, out: SchedulerOutput, layer_events: list | None = None) -> torch.Tensor:
+        """Forward the step's tokens; returns float32 logits [N, vocab] of the rows that sample, in order.
+
+        With ``layer_events`` (a list, CUDA), an eager step appends one event per layer, recorded
+        once that layer's kernels are queued: layer i's KV is written when event i completes. A
+        CUDA-graph step appends none."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -139,10 +143,19 @@ class ModelRunner:
             hidden = graphs.run(input_ids, positions, slots, seq_lens, table)
         else:
             meta = AttentionMetadata.build(slots, table, seq_lens, query_lens, dev)
+            after_layer = None
+            if layer_events is not None and dev.type == "cuda":
+
+                def after_layer(_: int) -> None:
+                    event = torch.cuda.Event()
+                    event.record()
+                    layer_events.append(event)
+
             hidden = self.model(
                 torch.tensor(input_ids, dtype=torch.long, device=dev),
                 torch.tensor(positions, dtype=torch.long, device=dev),
                 meta,
                 self.backend,
+                after_layer,
             )
         return self.model.compute_logits(hidden[torch.tensor(sample_rows, dtype=torch.long, device=dev)])

@@ -14,9 +14,12 @@ Per request (``POST /internal/prefill`` carrying the decode node's landing descr
    sampler's state, cached-token count) and waits for the decode node's ack; the HTTP
    reply is that outcome. Closing the HTTP request aborts the prefill.
 
-Full blocks of a prompt still being computed are shipped early, chunk by chunk. A preempted
-prompt's blocks may be reused before such a chunk was read, so after a preemption its blocks
-are shipped again from the first one.
+Blocks are shipped from the engine step that computes them, right after its forward was
+launched (``LLMEngine.on_launch``): on CUDA with one event per layer, so the transport moves
+the first layers while the GPU still computes the last ones, and a prompt prefilled in chunks
+ships each chunk's full blocks while the next chunk runs. The commit follows after the step.
+A preempted prompt's blocks may be reused before such a chunk was read, so after a preemption
+its blocks are shipped again from the first one.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ from pdserve.node import (
 from pdserve.outputs import RequestOutput
 from pdserve.request import Request as EngineRequest
 from pdserve.request import RequestStatus
+from pdserve.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +80,7 @@ class PrefillService(NodeService):
     def start(self, transport: str) -> str:
         self.sender = kv_transfer.create_sender(transport, cluster_token=self.state.node.cluster_token)
         self.sender.register_kv_cache(self.state.engine.runner.kv_cache)
+        self.state.engine.on_launch = self._ship_launched
         return ""
 
     def ready(self) -> None:
@@ -142,7 +147,6 @@ class PrefillService(NodeService):
 
     def after_step(self, outputs: list[RequestOutput]) -> None:
         engine = self.state.engine
-        self._send_finished_chunks(engine)
         for out in outputs:
             if not out.finished:
                 continue
@@ -180,20 +184,19 @@ class PrefillService(NodeService):
             self._shipping[out.request_id] = None  # released by _transfer_done
             fut.add_done_callback(lambda f, rid=out.request_id, t=started: self._transfer_done(rid, f, t))
 
-    def _send_finished_chunks(self, engine: LLMEngine) -> None:
-        """Ship the full blocks of prompts still being prefilled in chunks, overlapping the rest."""
+    def _ship_launched(self, out: SchedulerOutput, layer_events: list | None) -> None:
+        """Ship the blocks the launched step fills (a finishing prompt's last, partial one too)."""
+        engine = self.state.engine
         block_size = engine.config.cache.block_size
-        for request_id, landing in self._landing.items():
-            request = engine.scheduler.requests.get(request_id)
-            if (
-                request is None
-                or request.is_finished
-                or request.num_computed_tokens >= request.num_prompt_tokens
-            ):
-                continue  # not started, or done: the finish path sends the rest with the commit
-            ready = min(
-                request.num_computed_tokens // block_size - landing.first_block, len(landing.block_ids)
-            )
+        for s in out.scheduled:
+            request = s.request
+            request_id = request.request_id
+            landing = self._landing.get(request_id)
+            if landing is None:
+                continue
+            end = s.start + s.num_tokens
+            filled = -(-end // block_size) if end >= request.num_prompt_tokens else end // block_size
+            ready = min(filled - landing.first_block, len(landing.block_ids))
             sent = self._blocks_sent.get(request_id, 0)
             if request.num_preemptions != self._preemptions.get(request_id, 0):
                 sent = self._blocks_sent[request_id] = 0  # shipped blocks may be reused before read
@@ -211,6 +214,7 @@ class PrefillService(NodeService):
                     landing.block_ids[sent:ready],
                     None,
                     self.state.node.kv_transfer_timeout_s,
+                    layer_events,
                 )
             except Exception:  # the commit will report the missing blocks
                 logger.exception("sending finished blocks of %s failed", request_id)

@@ -3,10 +3,11 @@
 1. Reserve KV blocks on a decode node (``/internal/reserve``), trying nodes in the policy's
    order; a node with no free blocks (503) sends us to the next, and when every node is
    full the request waits up to ``admission_wait_s`` before it gets a 429.
-2. Open the decode node's token stream (``/internal/stream``) and wait for its headers,
-   so no token can be missed.
-3. Send the prompt and the landing descriptor to a prefill node (``/internal/prefill``),
-   concurrently with reading the stream. Its reply is control-plane only (ok or an error).
+2. Send the prompt and the landing descriptor to a prefill node (``/internal/prefill``). Its
+   reply is control-plane only (ok or an error).
+3. At the same time open the decode node's token stream (``/internal/stream``): the decode
+   node keeps the request's outputs from its reservation on, so no token can be missed, and
+   the prefill need not wait for the stream's round trip.
 4. Relay ``TokenEvent``s until one carries ``finish_reason``.
 
 Every way out releases what was taken: a failed prefill, a dead or misbehaving node, the
@@ -212,6 +213,7 @@ class Generation:
         self.prefill_result: PrefillResult | None = None
         self.finished = False  # the decode node sent the final event
         self._prefill_pending = False  # a prefill call was sent and not answered
+        self._prefill_settled = False  # the prefill call was handed to ``_generate``, which settles it
         self._queue: asyncio.Queue[TokenEvent | ProxyError | None] = asyncio.Queue()
         self._task = asyncio.ensure_future(self._run())
 
@@ -299,6 +301,7 @@ class Generation:
         self.prefill_node = None
         self.prefill_result = None
         self._prefill_pending = False
+        self._prefill_settled = False
         route = await self.d.router.route(self.node_request_id, self._prompt)
         if route.index != "none":
             self.d.index_lookup.observe(route.lookup_s)
@@ -307,24 +310,34 @@ class Generation:
         decode, landing = await self._reserve(route)
         self.decode_node = decode
         rid = self.node_request_id
+        prefill = None if landing.local_prefill else asyncio.ensure_future(self._prefill(route, landing))
         try:
             try:
                 async with decode.client.stream(StreamRequest(rid)) as events:
-                    await self._generate(route, landing, events)
+                    if prefill is None:
+                        await self._relay(events)
+                    else:
+                        await self._generate(prefill, events)
             except NodeError as exc:
                 if exc.unreachable:
                     raise NodeDied(decode, f"token stream lost: {exc.message}") from None
                 raise _node_failure(decode, exc, "token stream failed") from None
         finally:
             decode.num_inflight -= 1
+            if prefill is not None and not self._prefill_settled:  # the stream never opened
+                prefill.cancel()
+                await asyncio.gather(prefill, return_exceptions=True)
+                self._abort_pending_prefill()
             if not self.finished:
                 self.d.abort(decode, rid)
 
-    async def _generate(self, route: RouteRequest, landing: LandingDescriptor, events) -> None:
-        if landing.local_prefill:
-            await self._relay(events)
-            return
-        prefill = asyncio.ensure_future(self._prefill(route, landing))
+    def _abort_pending_prefill(self) -> None:
+        if self._prefill_pending and not self.finished and self.prefill_node is not None:
+            self.d.abort(self.prefill_node, self.node_request_id)
+
+    async def _generate(self, prefill: asyncio.Future, events) -> None:
+        """Relay the stream while the prefill runs; every way out settles the prefill call."""
+        self._prefill_settled = True
         relay = asyncio.ensure_future(self._relay(events))
         try:
             done, _ = await asyncio.wait({prefill, relay}, return_when=asyncio.FIRST_COMPLETED)
@@ -346,8 +359,7 @@ class Generation:
                 prefill.cancel()
                 waits.append(prefill)
             await asyncio.gather(*waits, return_exceptions=True)  # also retrieves their exceptions
-            if self._prefill_pending and not self.finished and self.prefill_node is not None:
-                self.d.abort(self.prefill_node, self.node_request_id)
+            self._abort_pending_prefill()
 
     async def _relay(self, events) -> None:
         decode = self.decode_node

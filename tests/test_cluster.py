@@ -114,6 +114,21 @@ def test_usage_counts_cached_tokens(cluster):
     assert second.usage.completion_tokens == 4 or second.choices[0].finish_reason == "stop"
 
 
+def test_one_token_requests_through_a_prefill_node(cluster):
+    """The proxy opens the decode stream while the prefill runs: a one-token request can finish on
+    the decode node before its stream is open, and its output must wait there for it."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{_url(cluster, 'proxy')}/v1", api_key="none", max_retries=0, timeout=120)
+    for i in range(4):
+        out = client.completions.create(
+            model="SmolLM2-135M-Instruct", prompt=f"Count to {i + 3}: one, two", max_tokens=1, temperature=0
+        )
+        assert out.usage.completion_tokens == 1 and out.choices[0].finish_reason == "length"
+    decode = _metrics(_url(cluster, "decode"))
+    assert decode["pdserve_kv_blocks_free"] == decode["pdserve_kv_blocks_total"]
+
+
 def test_models_health_metrics(cluster):
     proxy = _url(cluster, "proxy")
     models = httpx.get(f"{proxy}/v1/models").json()

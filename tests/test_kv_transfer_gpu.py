@@ -162,3 +162,22 @@ def test_auto_agrees_on_nixl_or_nccl():
     finally:
         sender.close()
         remote.close()
+
+
+def test_vram_layer_events_gate_each_layer(gpu_pair):
+    """Blocks still being written layer by layer when the send starts: each layer moves only after
+    its event (a transport that read them early would carry the values from before the write)."""
+    _, src, remote, sender = gpu_pair
+    events = []
+    for layer in range(L):
+        torch.cuda._sleep(20_000_000)  # the layer is computed late (~10 ms per layer)
+        src[layer, 4:6] += 1
+        event = torch.cuda.Event()
+        event.record()
+        events.append(event)
+    remote.call("reserve", "le", [10, 11], 30)
+    p = info("prefill-0")
+    ack = sender.send(remote.address, p, "le", [4, 5], [10, 11], KVCommit("le", 1), 30, events).result()
+    assert ack.ok
+    got, _, _ = remote.call("blocks", "", [10, 11], 0)
+    assert torch.equal(got, src[:, [4, 5]].cpu())

@@ -117,8 +117,12 @@ def messages(draw) -> list[bytes]:
         return [encode(KVCommit(draw(request_ids), draw(st.integers(min_value=0, max_value=2**31))))]
     if kind == 7:
         rid = draw(request_ids)
-        return [encode(KVReady(rid, 1, draw(block_ids), draw(block_ids), draw(st.floats())))]
-    return [encode(KVSend(draw(request_ids), 1, draw(block_ids), 0, L, draw(st.integers(0, 2**40))))]
+        layers = st.integers(-2, L + 2)
+        msg = KVReady(rid, 1, draw(block_ids), draw(block_ids), draw(layers), draw(layers), draw(st.floats()))
+        return [encode(msg)]
+    src = draw(st.one_of(st.just([]), block_ids))  # staged, or direct (cache to cache)
+    msg = KVSend(draw(request_ids), 1, draw(block_ids), 0, L, draw(st.integers(0, 2**40)), src_block_ids=src)
+    return [encode(msg)]
 
 
 def _flip(data: bytes, positions: list[int]) -> bytes:

@@ -8,6 +8,8 @@ batch; the attention backend finds each request's rows through the metadata.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -123,19 +125,25 @@ class CausalLM(nn.Module):
         positions: torch.Tensor,  # [T]
         meta: AttentionMetadata,
         backend: AttentionBackend,
+        after_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:  # [T, hidden]
+        """``after_layer(i)`` runs once layer i's kernels (its KV writes among them) are queued."""
         x = self.model.embed_tokens(input_ids)
         if use_fused_kernels(x):
-            return self._forward_fused(x, positions, meta, backend)
-        for layer in self.model.layers:
+            return self._forward_fused(x, positions, meta, backend, after_layer)
+        for i, layer in enumerate(self.model.layers):
             x = layer(x, positions, meta, backend)
+            if after_layer is not None:
+                after_layer(i)
         return self.model.norm(x)
 
-    def _forward_fused(self, x, positions, meta, backend) -> torch.Tensor:
+    def _forward_fused(self, x, positions, meta, backend, after_layer) -> torch.Tensor:
         """The CUDA path: residual adds fused into the norms (same sums, one kernel per norm)."""
         residual = None
-        for layer in self.model.layers:
+        for i, layer in enumerate(self.model.layers):
             x, residual = layer.forward_fused(x, residual, positions, meta, backend)
+            if after_layer is not None:
+                after_layer(i)
         return self.model.norm.forward_add(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] float32
