@@ -6,25 +6,27 @@ of its ``TCPStore``; both ends build a ``torch.distributed`` process group of tw
 ``ProcessGroupNCCL`` when the KV cache is on CUDA, ``ProcessGroupGloo`` when it is on the CPU.
 Everything else is one code path, so the CPU tests exercise what runs on GPUs.
 
-Per chunk of layers (at most ``CHUNK_BYTES``) the prefill node sends a ``KVSend`` header on the
-control connection, then the chunk's bytes with the header's sequence number as tag, in one of
-two ways, chosen per send by the runs of blocks consecutive in both caches (``block_runs``):
+The prefill node sends a ``KVSend`` header on the control connection, then the bytes it
+announces with the header's sequence number as tag, in one of two ways, chosen per send by the
+runs of blocks consecutive in both caches (``block_runs``):
 
-* **direct** (runs of ``DIRECT_MIN_RUN_BYTES`` or more per layer on average, CUDA): one ``send``
-  per (layer, run) straight out of the prefill node's cache and one ``recv`` straight into the
-  decode node's reserved blocks, fused into one NCCL group per chunk. Nothing is copied. The
-  header then names the source blocks too, so both ends cut the same runs. The decode node
+* **direct** (runs of ``DIRECT_MIN_RUN_BYTES`` or more per layer on average, CUDA): one header
+  for every layer, then one ``send`` per (layer, run) straight out of the prefill node's cache
+  into one ``recv`` straight into the decode node's reserved blocks. Nothing is copied. The
+  header names the source blocks too, so both ends cut the same runs, and the decode node posts
+  all its recvs at once. Each layer's sends wait on the GPU for that layer's event, so with
+  per-layer events the first layers move while the last ones are computed. The decode node
   pins the reservation (``ReservationTable.begin``) before posting the recvs and unpins it when
   they completed or the communicator was aborted (``end``), so a reservation is never released
   while bytes may still land in its blocks.
-* **staged** (fragmented blocks, or the CPU): the prefill node gathers the chunk into a
-  ``[layers, n, 2, BS, Hkv, D]`` tensor and sends it as one op; the decode node receives it into
-  one of two buffers in turn, posting chunk k+1's recv before it copies chunk k into the reserved
-  blocks under the reservation table's lock (``ReservationTable.write``).
+* **staged** (fragmented blocks, or the CPU): per chunk of layers (at most ``CHUNK_BYTES``) the
+  prefill node gathers the chunk into a ``[layers, n, 2, BS, Hkv, D]`` tensor and sends it as
+  one op after its header; the decode node receives it into one of two buffers in turn,
+  posting chunk k+1's recv before it copies chunk k into the reserved blocks under the
+  reservation table's lock (``ReservationTable.write``).
 
-A per-pair thread on the decode node takes headers in order, on its own CUDA stream. On the
-prefill side chunk k is sent as soon as its layers are ready. The commit queues behind the
-chunks on the same thread and is acked from there.
+A per-pair thread on the decode node takes headers in order, on its own CUDA stream. The commit
+queues behind the data on the same thread and is acked from there.
 
 Failure: a header that does not fit the reservation is still received (into the buffer, then
 dropped) so the two ends stay in step, and fails the request at its commit. A recv or send
@@ -138,13 +140,9 @@ def _run_views(
 
 
 def _p2p(group, tensors: list[torch.Tensor], peer: int, tag: int, recv: bool) -> list:
-    """Post a send (or recv) of each tensor, in order; one fused NCCL group where supported."""
+    """Post a send (or recv) of each tensor, in order (NCCL runs them one after another on the
+    pair's stream; runs are long, so one op each costs little)."""
     op = group.recv if recv else group.send
-    if len(tensors) > 1 and tensors[0].is_cuda and getattr(group, "supports_coalescing", False):
-        group._start_coalescing(tensors[0].device)
-        for t in tensors:
-            op([t], peer, tag)
-        return [group._end_coalescing(tensors[0].device)]
     return [op([t], peer, tag) for t in tensors]
 
 
@@ -562,21 +560,26 @@ class NcclSession(SenderSession):
     def _post_direct(
         self, request_id: str, staged: Staged, dst_block_ids: list[int], deadline: float
     ) -> list:
-        """One fused group of sends per layer chunk, one send per (layer, run), out of the cache."""
+        """One header for every layer (the receiver posts all its recvs at once, so the link never
+        waits for a header's trip), then one send per (layer, run) straight out of the cache, each
+        layer's queued behind its event on the GPU."""
         plane = self.plane
         kv, slab = plane.kv, _slab_bytes(plane.kv)
         src = list(staged.block_ids)
         runs = block_runs(src, dst_block_ids)
+        num_layers = kv.shape[0]
+        seq = next(self._seq)
+        nbytes = num_layers * len(src) * slab
+        header = KVSend(request_id, seq, list(dst_block_ids), 0, num_layers, nbytes, src_block_ids=src)
+        self.peer.send([encode(header)], deadline)
         works = []
-        for l0, l1 in layer_chunks(kv.shape[0], len(src) * slab, CHUNK_BYTES):
-            event = staged.event(l1)
-            if event is not None:
+        waited = None
+        for layer in range(num_layers):
+            event = staged.event(layer + 1)
+            if event is not None and event is not waited:
                 torch.cuda.current_stream().wait_event(event)
-            seq = next(self._seq)
-            nbytes = (l1 - l0) * len(src) * slab
-            header = KVSend(request_id, seq, list(dst_block_ids), l0, l1, nbytes, src_block_ids=src)
-            self.peer.send([encode(header)], deadline)
-            views = _run_views(plane.flat, runs, 0, range(l0, l1), kv.shape[1], slab)
+                waited = event
+            views = _run_views(plane.flat, runs, 0, range(layer, layer + 1), kv.shape[1], slab)
             works += _p2p(self.group, views, 1, seq, recv=False)
         return works
 

@@ -254,7 +254,10 @@ class NixlReceiverPlane(ReceiverPlane):
                 if self._poll_safely(read):
                     inflight.remove(read)
             if inflight:
-                time.sleep(POLL_S)
+                # Progress UCX as often as it can take it while READs run: a large READ moves in
+                # fragments that each wait for a progress call (sleeping between polls halved
+                # the throughput of a 1 GiB READ on 2xH200). sleep(0) still yields the GIL.
+                time.sleep(0)
         while inflight:  # shutting down: cancel what is left, and unpin it
             for read in list(inflight):
                 read.deadline = 0.0

@@ -150,7 +150,12 @@ class NodeMetrics:
         self.transfer_bytes = r.counter("pdserve_kv_transfer_bytes_total", "KV bytes sent or received.")
         self.transfer_seconds = r.histogram(
             "pdserve_kv_transfer_seconds",
-            "Time to move one request's KV, send to ack.",
+            "From a prefill's first token to the decode node's ack of its KV (what the transfer adds).",
+            buckets=LATENCY_BUCKETS,
+        )
+        self.prefill_seconds = r.histogram(
+            "pdserve_prefill_seconds",
+            "From a prompt's arrival on a prefill node to its first token, queueing included.",
             buckets=LATENCY_BUCKETS,
         )
         self._last: dict[str, float] = {}

@@ -297,6 +297,7 @@ def add_prefill_routes(app: FastAPI, service: PrefillService) -> None:
 
     @app.post("/internal/prefill")
     async def prefill(request: Request):
+        arrived = time.monotonic()
         check_token(request, node.cluster_token)
         msg: PrefillRequest = await read_message(request, PrefillRequest)
         error = _validate(msg, state.engine.config.cache.block_size)
@@ -319,7 +320,7 @@ def add_prefill_routes(app: FastAPI, service: PrefillService) -> None:
                 service.renewals.pop(rid, None)
                 raise
         try:
-            return await _prefill(msg, outputs, transfer)
+            return await _prefill(msg, outputs, transfer, arrived)
         finally:
             service.renewals.pop(rid, None)
 
@@ -339,10 +340,11 @@ def add_prefill_routes(app: FastAPI, service: PrefillService) -> None:
             raise
         return outputs, transfer
 
-    async def _prefill(msg: PrefillRequest, outputs, transfer: asyncio.Future):
+    async def _prefill(msg: PrefillRequest, outputs, transfer: asyncio.Future, arrived: float):
         rid = msg.request_id
         try:
             out = await outputs.get()
+            state.metrics.prefill_seconds.observe(time.monotonic() - arrived)
             if out.outputs[0].finish_reason == "error":  # ended before its KV was sent: none will be
                 service.transfers.pop(rid, None)
                 return msgpack_response(fail(msg, str(out.outputs[0].stop_reason)), 500)

@@ -103,6 +103,11 @@ class Dispatcher:
             "Requests restarted on other nodes because a node died under them, by the dead node's role.",
             ["role"],
         )
+        self.reserve_latency = registry.histogram(
+            "pdserve_reserve_seconds",
+            "From routing a request to its KV blocks reserved on a decode node (admission waits included).",
+            buckets=LATENCY_BUCKETS,
+        )
         self.prefill_latency = registry.histogram(
             "pdserve_prefill_call_seconds",
             "From sending a prefill request to its result (KV committed on the decode node).",
@@ -307,7 +312,9 @@ class Generation:
             self.d.index_lookup.observe(route.lookup_s)
             if route.index == "unavailable":
                 self.d.index_unavailable.inc()
+        reserving = time.monotonic()
         decode, landing = await self._reserve(route)
+        self.d.reserve_latency.observe(time.monotonic() - reserving)
         self.decode_node = decode
         rid = self.node_request_id
         prefill = None if landing.local_prefill else asyncio.ensure_future(self._prefill(route, landing))

@@ -85,9 +85,9 @@ class Remote:
 def gpu_pair(request, monkeypatch):
     name = request.param
     if name == "nccl-direct":  # every send straight from cache to cache, whatever its runs
-        import kv_transfer.nccl_backend
+        from kv_transfer import nccl_backend
 
-        monkeypatch.setattr(kv_transfer.nccl_backend, "DIRECT_MIN_RUN_BYTES", 0)
+        monkeypatch.setattr(nccl_backend, "DIRECT_MIN_RUN_BYTES", 0)
         name = "nccl"
     if name not in kv_transfer.available_transports():
         pytest.skip(f"{name} is not available here")

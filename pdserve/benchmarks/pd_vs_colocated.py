@@ -63,22 +63,49 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int
 async def _drive(url: str, prompts: list[list[int]], output_len: int) -> list[tuple[float, float, str]]:
     async with httpx.AsyncClient(timeout=600) as client:
         model = (await client.get(f"{url}/v1/models")).json()["data"][0]["id"]
-        await _one(client, url, model, prompts[0][:64], 4)  # warm-up: first-use costs stay out
         return [await _one(client, url, model, p, output_len) for p in prompts]
 
 
-def run_shape(name: str, cfg: ClusterConfig, args, prompts) -> dict:
+def _seconds_totals(url: str) -> dict[str, tuple[float, float]]:
+    """(sum, count) of every ``*_seconds`` histogram a server exports."""
+    totals: dict[str, list[float]] = {}
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        name, _, value = line.partition(" ")
+        for part, i in (("_sum", 0), ("_count", 1)):
+            if name.endswith("_seconds" + part):
+                totals.setdefault(name[: -len(part)], [0.0, 0.0])[i] = float(value)
+    return {k: (v[0], v[1]) for k, v in totals.items()}
+
+
+def _means_since(before: dict, after: dict) -> dict[str, float]:
+    """Mean of each histogram over the observations between two scrapes."""
+    means = {}
+    for name, (total, count) in after.items():
+        total0, count0 = before.get(name, (0.0, 0.0))
+        if count > count0:
+            means[name] = (total - total0) / (count - count0)
+    return means
+
+
+def run_shape(name: str, cfg: ClusterConfig, args, prompts, warmup: list[int]) -> dict:
     cluster = LocalCluster(cfg, ["--model", args.model, *args.engine_flags.split()], ModelConfig(args.model))
     try:
         started = time.perf_counter()
         url = cluster.start()
         startup = time.perf_counter() - started
+        servers = {"proxy": url} | {c.role: c.url for c in cluster.children if not c.role.startswith("proxy")}
+        # Warm-up: one request of the real size (first-use costs such as a KV communicator's set-up
+        # and kernels compiled for the shape stay out of the figures).
+        asyncio.run(_drive(url, [warmup], 4))
+        before = {role: _seconds_totals(u) for role, u in servers.items()}
         results = asyncio.run(_drive(url, prompts, args.output_len))
+        phases = {role: _means_since(before[role], _seconds_totals(u)) for role, u in servers.items()}
     finally:
         cluster.stop()
     return {
         "shape": name,
         "startup_s": startup,
+        "mean_seconds": phases,
         "ttft_s": _stats([r[0] for r in results]),
         "tpot_s": _stats([r[1] for r in results]),
         "outputs": [r[2] for r in results],
@@ -124,7 +151,8 @@ def main() -> None:
             **common,
         ),
     }
-    runs = {name: run_shape(name, cfg, args, prompts) for name, cfg in shapes.items()}
+    warmup = [rng.randrange(10, args.vocab) for _ in range(args.input_len)]
+    runs = {name: run_shape(name, cfg, args, prompts, warmup) for name, cfg in shapes.items()}
     pd, co = runs["1P1D"], runs["colocated"]
     print(f"{'shape':<10}{'TTFT p50':>10}{'TTFT p90':>10}{'TPOT p50':>10}{'TPOT p90':>10}  (ms)")
     for r in runs.values():
@@ -134,6 +162,10 @@ def main() -> None:
     added = pd["ttft_s"]["p50"] / co["ttft_s"]["p50"] - 1
     same = pd["outputs"] == co["outputs"]
     print(f"disaggregation adds {100 * added:.1f} % to TTFT p50; identical outputs: {same}")
+    for r in runs.values():
+        for role, means in r["mean_seconds"].items():
+            figures = ", ".join(f"{k.removeprefix('pdserve_')} {v * 1e3:.2f}" for k, v in means.items())
+            print(f"{r['shape']} {role} mean ms: {figures}")
     try:
         import torch
 
