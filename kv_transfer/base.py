@@ -40,9 +40,19 @@ class _Reservation:
     deadline: float
     allowed: frozenset[int]
     lease_s: float
-    written: set[tuple[int, int]] = field(default_factory=set)  # (layer, block id) units landed
+    # What landed: (layer start, layer end, block ids) per write, checked for coverage at commit
+    # (one record per write, not one entry per layer and block: a 1 GiB send is 16k of those).
+    landed: list[tuple[int, int, Sequence[int]]] = field(default_factory=list)
     error: str = ""
     committed: bool = False
+
+    def num_missing(self, num_layers: int) -> int:
+        """(layer, block) units of the reservation no write covered."""
+        ids = np.sort(np.asarray(self.block_ids, dtype=np.int64))
+        covered = np.zeros((num_layers, len(ids)), dtype=bool)
+        for layer_start, layer_end, block_ids in self.landed:
+            covered[layer_start:layer_end, np.searchsorted(ids, np.asarray(block_ids, dtype=np.int64))] = True
+        return int(covered.size - covered.sum())
 
 
 class ReservationTable:
@@ -135,8 +145,7 @@ class ReservationTable:
             if error:
                 return error
             fn()
-            r = self._table[request_id]
-            r.written.update((layer, b) for layer in range(layer_start, layer_end) for b in block_ids)
+            self._table[request_id].landed.append((layer_start, layer_end, block_ids))
             return ""
 
     def begin(self, request_id: str, block_ids: Sequence[int], layer_start: int, layer_end: int) -> str:
@@ -164,7 +173,7 @@ class ReservationTable:
                 if error:
                     r.error = r.error or error
                 else:
-                    r.written.update((layer, b) for layer in range(layer_start, layer_end) for b in block_ids)
+                    r.landed.append((layer_start, layer_end, block_ids))
             self._settled.notify_all()
 
     def fail(self, request_id: str, error: str) -> None:
@@ -185,7 +194,7 @@ class ReservationTable:
                 return "lease expired before the KV arrived"
             if self._inflight.get(request_id):
                 return f"request {request_id!r} committed while part of its KV was still in flight"
-            missing = self.num_layers * len(r.block_ids) - len(r.written)
+            missing = r.num_missing(self.num_layers)
             if missing:
                 return f"{missing} of {self.num_layers * len(r.block_ids)} layer-blocks never arrived"
             r.committed = True
