@@ -110,7 +110,7 @@ class LLMEngine:
         self.num_prompt_tokens_computed = 0
         """Prompt tokens this engine ran through the model (prefix-cache hits and remote KV excluded)."""
         logger.info(
-            "engine ready in %.1f s: %s (%s) on %s, %d KV blocks x %d tokens (%.2f GiB)",
+            "engine ready in %.1f s: %s (%s) on %s, %d KV blocks x %d tokens (%.2f GiB), %s scheduling",
             time.monotonic() - start,
             self.source.model_id,
             config.model.dtype,
@@ -118,6 +118,7 @@ class LLMEngine:
             num_blocks,
             config.cache.block_size,
             num_blocks * self.runner.bytes_per_block / (1 << 30),
+            "async" if self.async_scheduling else "synchronous",
         )
 
     def _eos_token_ids(self) -> tuple[int, ...]:
