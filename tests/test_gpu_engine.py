@@ -77,5 +77,12 @@ def test_async_scheduling_matches_sync_with_cuda_graphs(tiny_models):
 
     on = generate()
     assert any(filled), "no graph step took its input ids from the device"
+    # No stream sync hides anywhere in a step (a pageable copy, .item(), .tolist() of a device
+    # tensor): the host waits for the device only on the sampled tokens' copy event.
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        assert generate() == on
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
     engine.async_scheduling = False
     assert generate() == on
