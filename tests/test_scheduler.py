@@ -668,3 +668,72 @@ def test_remote_reservation_shares_the_cached_prefix_and_lands():
     sched.finish_requests(["d"], RequestStatus.FINISHED_ABORTED)
     sched.check_integrity()
     assert not sched.has_unfinished() and sched.kv.num_free_blocks == 16
+
+
+# ------------------------------------------------------------------------ async scheduling (lag 1)
+
+
+def _apply(sched: Scheduler, out: SchedulerOutput, tokens: list[int]) -> list[Request]:
+    return sched.update_from_output(out, SamplerOutput(token_ids=tokens, logprobs=[None] * len(tokens)))
+
+
+def test_async_placeholders_feed_the_next_step_and_max_tokens_is_known_ahead():
+    sched = make_scheduler()
+    a = make_request("a", [1, 2, 3, 4, 5], max_tokens=3)
+    sched.add_request(a)
+    first = sched.schedule()
+    assert [(s.start, s.num_tokens, s.needs_sample, s.num_device_inputs) for s in first.scheduled] == [
+        (0, 5, True, 0)
+    ]
+    assert (a.num_computed_tokens, a.num_inflight_tokens, a.num_output_placeholders) == (0, 5, 1)
+    # Step 2 is scheduled before step 1's token is on the host: its input is the placeholder.
+    second = sched.schedule()
+    s = second.scheduled[0]
+    assert (s.start, s.num_tokens, s.needs_sample, s.num_device_inputs, s.token_ids) == (5, 1, True, 1, [])
+    assert second.scheduled[0].block_ids == (0, 1)  # position 5 needs a second block
+    assert _apply(sched, first, [100]) == [a]
+    assert (a.num_computed_tokens, a.num_inflight_tokens, a.num_output_placeholders) == (5, 1, 1)
+    third = sched.schedule()
+    assert [(s.start, s.num_device_inputs) for s in third.scheduled] == [(6, 1)]
+    _apply(sched, second, [101])
+    # Two tokens on the host and the third in flight: max_tokens=3 is reached, nothing to schedule.
+    assert sched.schedule().is_empty and a.status == RequestStatus.RUNNING
+    _apply(sched, third, [102])
+    assert a.status == RequestStatus.FINISHED_LENGTH_CAPPED and a.output_token_ids == [100, 101, 102]
+    sched.check_integrity()
+    assert sched.kv.num_free_blocks == 16
+
+
+def test_async_stop_found_a_step_late_drops_the_extra_token():
+    sched = make_scheduler()
+    a = make_request("a", [1, 2, 3], max_tokens=10, ignore_eos=False)
+    sched.add_request(a)
+    first = sched.schedule()
+    second = sched.schedule()  # computes the placeholder, samples one more
+    assert _apply(sched, first, [EOS]) == [a]
+    assert a.status == RequestStatus.FINISHED_STOPPED and sched.kv.num_free_blocks == 16
+    assert _apply(sched, second, [55]) == []  # the step that ran past EOS: its token is dropped
+    assert a.output_token_ids == [EOS]
+    sched.check_integrity()
+
+
+def test_async_preempted_with_a_token_in_flight_keeps_it():
+    sched = make_scheduler(num_blocks=4, max_model_len=16, enable_prefix_caching=False)
+    a = make_request("a", [1, 2, 3, 4, 5, 6, 7, 8], max_tokens=6)
+    b = make_request("b", [11, 12, 13, 14, 15, 16, 17], max_tokens=6)
+    sched.add_request(a)
+    sched.add_request(b)
+    first = sched.schedule()  # a: blocks 0, 1; b: blocks 2, 3; the pool is full
+    # a's placeholder (position 8) needs a third block: b, the newest, is preempted while its
+    # first token is in flight.
+    second = sched.schedule()
+    assert second.preempted == ["b"] and [s.request for s in second.scheduled] == [a]
+    assert b.status == RequestStatus.PREEMPTED and b.num_output_placeholders == 1
+    _apply(sched, first, [100, 200])
+    assert b.output_token_ids == [200] and b.num_output_placeholders == 0 and b.num_computed_tokens == 0
+    sched.check_integrity()
+    _apply(sched, second, [101])
+    run_to_idle(sched)
+    assert a.output_token_ids == [100, 101, 102, 103, 104, 105]
+    assert b.output_token_ids == [200, 101, 102, 103, 104, 105]  # count_token: 100 + output index
+    assert sched.kv.num_free_blocks == 4
