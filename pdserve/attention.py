@@ -15,6 +15,7 @@ import torch
 
 from kernels.kv_write import write_kv_ref
 from kernels.paged_attention import StaticDecodePlan, paged_attention_ref
+from pdserve.copies import to_device
 
 
 @dataclass
@@ -42,13 +43,14 @@ class AttentionMetadata:
         starts = [0]
         for n in query_lens:
             starts.append(starts[-1] + n)
+        # Queued copies through pinned memory: building a step's metadata never waits for the device.
         return cls(
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
-            block_tables=torch.tensor(block_tables, dtype=torch.int32, device=device),
+            slot_mapping=to_device(slot_mapping, torch.long, device),
+            block_tables=to_device(block_tables, torch.int32, device),
             seq_lens=seq_lens,
             query_lens=query_lens,
-            seq_lens_t=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            seq_lens_t=to_device(seq_lens, torch.int32, device),
+            query_start_loc=to_device(starts, torch.int32, device),
         )
 
     @property

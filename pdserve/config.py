@@ -100,6 +100,10 @@ class SchedulerConfig:
     """Token budget of one engine step (prefill chunks + decode tokens)."""
     enable_chunked_prefill: bool = True
     """Split prompts longer than the remaining budget across steps."""
+    async_scheduling: bool | None = None
+    """Schedule and prepare step N+1 while step N runs on the device, applying step N's tokens
+    after N+1 is launched (as vLLM's --async-scheduling); unset: on for CUDA, off on the CPU,
+    where torch runs ops synchronously and nothing would overlap."""
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -150,7 +154,7 @@ class EngineConfig:
         return cls(**parts)
 
     def resolved(self, checkpoint_dtype: torch.dtype, max_position_embeddings: int) -> EngineConfig:
-        """Resolve `auto` device and dtype and the default max_model_len against the checkpoint."""
+        """Resolve `auto` device and dtype, the default max_model_len and async scheduling."""
         device = self.device.device
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -167,9 +171,13 @@ class EngineConfig:
                 f"max_model_len {max_len} exceeds the model's max_position_embeddings "
                 f"{max_position_embeddings}"
             )
+        async_scheduling = self.scheduler.async_scheduling
+        if async_scheduling is None:
+            async_scheduling = torch.device(device).type == "cuda"
         return dataclasses.replace(
             self,
             model=dataclasses.replace(self.model, dtype=dtype, max_model_len=max_len),
+            scheduler=dataclasses.replace(self.scheduler, async_scheduling=async_scheduling),
             device=dataclasses.replace(self.device, device=device),
         )
 

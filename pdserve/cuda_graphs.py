@@ -10,9 +10,12 @@ A graph step:
 
 1. takes the smallest bucket >= the step's ``n`` requests; rows ``n..bucket-1`` are padding;
 2. copies token ids, positions, slots, context lengths and block tables into the static input
-   buffers. Padding rows are token 0 at position 0 with slot -1, so ``write_kv`` drops their
-   KV, and a context of 1 over block 0: a real block that is read, never written, so their
-   attention is finite and touches nothing of the real rows;
+   buffers (queued from pinned memory: the host does not wait for the step before), then writes
+   the ids that only the device holds (the previous step's sampled tokens, under async
+   scheduling) into the token-id buffer on the device. Padding rows are token 0 at position 0
+   with slot -1, so ``write_kv`` drops their KV, and a context of 1 over block 0: a real block
+   that is read, never written, so their attention is finite and touches nothing of the real
+   rows;
 3. replays; the first ``n`` rows of the bucket's static output are the step's hidden states.
 
 The lm head and the sampler stay outside the graphs. All graphs share one memory pool,
@@ -30,6 +33,7 @@ import torch
 
 from kernels.paged_attention import StaticDecodePlan
 from pdserve.attention import AttentionBackend, AttentionMetadata
+from pdserve.copies import copy_to_device
 from pdserve.models.llama import CausalLM
 
 logger = logging.getLogger(__name__)
@@ -138,19 +142,24 @@ class DecodeGraphs:
         slots: list[int],
         seq_lens: list[int],
         block_tables: list[list[int]],  # one row per request, all of one width <= max_blocks
+        fill: tuple[torch.Tensor, torch.Tensor] | None = None,  # (rows [M], ids [M]) on the device
     ) -> torch.Tensor:  # [n, hidden]: a view of the bucket's static output, valid until the next replay
-        """Replay the bucket that fits ``n = len(input_ids)`` one-token requests."""
+        """Replay the bucket that fits ``n = len(input_ids)`` one-token requests.
+
+        ``fill`` overwrites ``input_ids[rows]`` with ``ids`` on the device before the replay.
+        """
         n = len(input_ids)
         bs = self.bucket_for(n)
         assert bs is not None and len(seq_lens) == n == len(block_tables), (n, self.buckets)
         width = len(block_tables[0])
         assert width <= self.max_blocks, (width, self.max_blocks)
         pad = bs - n
-        host = torch.tensor([input_ids + [0] * pad, positions + [0] * pad, slots + [-1] * pad])
-        self.tokens[:, :bs].copy_(host)
-        self.seq_lens[:bs].copy_(torch.tensor(seq_lens + [1] * pad, dtype=torch.int32))
+        rows = [input_ids + [0] * pad, positions + [0] * pad, slots + [-1] * pad]
+        copy_to_device(self.tokens[:, :bs], rows)
+        if fill is not None:
+            self.tokens[0].index_copy_(0, *fill)
+        copy_to_device(self.seq_lens[:bs], seq_lens + [1] * pad)
         # Columns past `width` keep older steps' block ids: no context reaches them.
-        table = torch.tensor(block_tables + [[0] * width] * pad, dtype=torch.int32)
-        self.block_tables[:bs, :width].copy_(table)
+        copy_to_device(self.block_tables[:bs, :width], block_tables + [[0] * width] * pad)
         self.graphs[bs].replay()
         return self.outputs[bs][:n]

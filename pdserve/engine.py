@@ -1,4 +1,15 @@
-"""The engine: scheduler + model runner + sampler + output processing, one ``step()`` at a time."""
+"""The engine: scheduler + model runner + sampler + output processing, one ``step()`` at a time.
+
+A step is scheduled, launched (the forward and the sampling are queued on the device) and then
+applied: its sampled tokens are read on the host, given to the scheduler, detokenized and
+checked for stop strings. Synchronously, a step is applied right after its launch. With async
+scheduling (vLLM's ``--async-scheduling``) it is applied one step later, after the next step
+was scheduled and launched: the host's work for step N (reading its tokens, stop checks,
+detokenizing, streaming) and for step N+1 (scheduling, building its inputs) overlaps step N+1
+on the device, and step N+1 reads step N's tokens on the device (``DeviceInputs``). A step
+whose sampling has penalties is applied before the next one is scheduled, because penalties
+count the output tokens on the host.
+"""
 
 from __future__ import annotations
 
@@ -13,12 +24,12 @@ import torch
 from pdserve import envs
 from pdserve.block_pool import BlockEvent
 from pdserve.config import EngineConfig
-from pdserve.model_runner import ModelRunner
+from pdserve.model_runner import DeviceInputs, ModelRunner
 from pdserve.models import load_model, resolve_model
 from pdserve.models.arch import ArchConfig
 from pdserve.outputs import CompletionOutput, RequestOutput
 from pdserve.request import Request, RequestStatus
-from pdserve.sampler import Sampler, SamplingRow, TokenLogprobs, make_generator
+from pdserve.sampler import PendingSample, Sampler, SamplingRow, TokenLogprobs, make_generator
 from pdserve.sampling_params import SamplingParams
 from pdserve.scheduler import Scheduler, SchedulerOutput
 from pdserve.tokenizer import IncrementalDetokenizer, load_tokenizer
@@ -33,6 +44,16 @@ class _RequestState:
     request: Request
     generator: torch.Generator | None
     detokenizer: IncrementalDetokenizer | None
+
+
+@dataclass(frozen=True)
+class _LaunchedStep:
+    """A step queued on the device whose sampled tokens the scheduler has not seen yet."""
+
+    out: SchedulerOutput
+    sample: PendingSample
+    rows: dict[str, int]  # request id -> its row of sample.token_ids
+    needs_host_tokens: bool  # a row has penalties: the next sampling counts this step's tokens
 
 
 class LLMEngine:
@@ -81,6 +102,10 @@ class LLMEngine:
             record_events=record_block_events,
         )
         self.sampler = Sampler(self.eos_token_ids, seed=config.model.seed, device=config.torch_device)
+        self.async_scheduling = bool(config.scheduler.async_scheduling)
+        """Apply each step after launching the next (see the module docstring). Benchmarks flip it
+        to compare; either way a step in flight is applied in order."""
+        self._in_flight: _LaunchedStep | None = None
         self._states: dict[str, _RequestState] = {}
         self._next_id = 0
         self.on_launch: Callable[[SchedulerOutput, list | None], None] | None = None
@@ -91,7 +116,7 @@ class LLMEngine:
         self.num_prompt_tokens_computed = 0
         """Prompt tokens this engine ran through the model (prefix-cache hits and remote KV excluded)."""
         logger.info(
-            "engine ready in %.1f s: %s (%s) on %s, %d KV blocks x %d tokens (%.2f GiB)",
+            "engine ready in %.1f s: %s (%s) on %s, %d KV blocks x %d tokens (%.2f GiB), %s scheduling",
             time.monotonic() - start,
             self.source.model_id,
             config.model.dtype,
@@ -99,6 +124,7 @@ class LLMEngine:
             num_blocks,
             config.cache.block_size,
             num_blocks * self.runner.bytes_per_block / (1 << 30),
+            "async" if self.async_scheduling else "synchronous",
         )
 
     def _eos_token_ids(self) -> tuple[int, ...]:
@@ -176,6 +202,10 @@ class LLMEngine:
         Raises ValueError for a request this engine can never serve.
         """
         request = self._new_request(request_id, None, params, prompt_token_ids)
+        # Another node writes these blocks, unordered with this engine's stream: a block freed
+        # while the step in flight still writes it (an abort, a late stop) must not be handed out
+        # before that step has run.
+        self.wait_for_device()
         block_ids = self.scheduler.reserve_remote(request)
         if block_ids is not None:
             self._track(request)
@@ -250,33 +280,80 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def has_work(self) -> bool:
+        """Whether ``step()`` has anything to do: requests to schedule or a step to apply."""
+        return self.scheduler.has_work() or self._in_flight is not None
+
+    def wait_for_device(self) -> None:
+        """Block until the step in flight, if any, has run on the device (it stays unapplied)."""
+        if self._in_flight is not None:
+            self._in_flight.sample.copy.synchronize()
+
     # -- one step ------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run and sample one step; returns outputs of the requests that got a token."""
+        """Schedule and launch one step; returns outputs of the requests that got a token.
+
+        Synchronously those are this step's; with async scheduling, the previous step's, applied
+        after this one was launched (the last call, with nothing left to schedule, applies the
+        step still in flight).
+        """
+        outputs: list[RequestOutput] = []
+        if self._in_flight is not None and self._in_flight.needs_host_tokens:
+            outputs += self._apply(self._take_in_flight())
         out = self.scheduler.schedule()
-        if out.is_empty:
-            return []
+        previous = self._take_in_flight()
+        if not out.is_empty:
+            self._in_flight = self._launch(out, previous)
+        if previous is not None:
+            outputs += self._apply(previous)
+        if not self.async_scheduling and self._in_flight is not None:
+            outputs += self._apply(self._take_in_flight())
+        if envs.PDSERVE_CHECK_INTEGRITY:
+            self.scheduler.check_integrity()
+        return outputs
+
+    def _take_in_flight(self) -> _LaunchedStep | None:
+        step, self._in_flight = self._in_flight, None
+        return step
+
+    def _launch(self, out: SchedulerOutput, previous: _LaunchedStep | None) -> _LaunchedStep:
+        """Queue the step's forward and sampling; reads nothing back from the device."""
+        device_inputs = None
+        sources = [previous.rows[s.request.request_id] for s in out.scheduled if s.num_device_inputs]
+        if sources:
+            device_inputs = DeviceInputs(previous.sample.token_ids, sources)
         layer_events: list | None = [] if self.on_launch is not None else None
-        logits = self.runner.execute(out, layer_events)
+        logits = self.runner.execute(out, device_inputs, layer_events)
         if self.on_launch is not None:
             self.on_launch(out, layer_events or None)
         for s in out.scheduled:
             prompt_end = min(s.start + s.num_tokens, s.request.num_prompt_tokens)
             self.num_prompt_tokens_computed += max(0, prompt_end - s.start)
-        rows = []
+        rows: list[SamplingRow] = []
+        row_of: dict[str, int] = {}
         for s in out.scheduled:
             if s.needs_sample:
                 r = s.request
+                row_of[r.request_id] = len(rows)
                 rows.append(
-                    SamplingRow(r.sampling_params, r.prompt_token_ids, r.output_token_ids, self._generator(r))
+                    SamplingRow(
+                        r.sampling_params,
+                        r.prompt_token_ids,
+                        r.output_token_ids,
+                        self._generator(r),
+                        # Placeholders of earlier steps; this step's own one is the token sampled now.
+                        num_pending_outputs=r.num_output_placeholders - 1,
+                    )
                 )
-        sampled = self.sampler(logits, rows)
-        updated = self.scheduler.update_from_output(out, sampled)
-        outputs = [self._process(request) for request in updated]
-        if envs.PDSERVE_CHECK_INTEGRITY:
-            self.scheduler.check_integrity()
-        return outputs
+        sample = self.sampler.sample(logits, rows)
+        needs_host_tokens = any(row.params.has_penalties for row in rows)
+        return _LaunchedStep(out, sample, row_of, needs_host_tokens)
+
+    def _apply(self, step: _LaunchedStep) -> list[RequestOutput]:
+        """Read a launched step's tokens on the host (waits for it) and process them."""
+        updated = self.scheduler.update_from_output(step.out, step.sample.get())
+        return [self._process(request) for request in updated]
 
     def _generator(self, request: Request) -> torch.Generator | None:
         state = self._states.get(request.request_id)

@@ -133,7 +133,7 @@ class EngineLoop:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            busy = self.engine.scheduler.has_work()
+            busy = self.engine.has_work()
             try:
                 cmd = self._commands.get(timeout=0 if busy else self.IDLE_WAIT_S)
             except queue.Empty:
@@ -146,7 +146,7 @@ class EngineLoop:
                     cmd = None
             if self.on_idle is not None:
                 self._guard(self.on_idle)
-            if not self.engine.scheduler.has_work():
+            if not self.engine.has_work():
                 continue
             try:
                 outputs = self.engine.step()

@@ -75,18 +75,19 @@ class KVCacheManager:
         Block layout of the request after the call::
 
             | computed (own blocks) | new computed (prefix hits) | new tokens | unused tail slot(s) |
-            |<- request.num_computed_tokens ->|                   |
+            |<- request.num_started_tokens -->|                   |
             |<------ num_computed + len(new_computed_blocks) * block_size + num_new_tokens ------>|
 
         ``new_computed_blocks`` are cache hits from ``get_computed_blocks`` that the request
         has not yet referenced; the caller adds their tokens to ``num_computed_tokens``.
+        ``num_started_tokens`` counts tokens of steps still in flight (async scheduling) too.
         Full blocks covered by this step are registered in the cache map right away: the
         engine writes all of a step's KV before any attention reads it, so a later request
         in the same step may already share them. ``cache=False`` defers that for blocks whose
         KV arrives from elsewhere (a remote prefill): see ``cache_blocks``.
         """
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
-        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        num_computed = request.num_started_tokens + len(new_computed_blocks) * self.block_size
         num_needed = cdiv(num_computed + num_new_tokens, self.block_size)
         num_new_blocks = num_needed - len(blocks) - len(new_computed_blocks)
         # Hits sitting in the free queue stop being free once touched.

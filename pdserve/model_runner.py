@@ -2,22 +2,40 @@
 
 On CUDA, unless ``enforce_eager``, pure-decode steps replay CUDA graphs captured right after the
 KV cache is allocated (``cuda_graphs.py``); prefill and mixed steps run eagerly.
+
+``execute`` never waits for the device: host lists go up through pinned memory (``copies.py``)
+and input ids that the previous step sampled (output placeholders under async scheduling) are
+copied from that step's sampled tensor on the device, so step N+1 is queued while step N runs.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
 from pdserve.attention import AttentionMetadata, get_attention_backend
 from pdserve.config import EngineConfig
+from pdserve.copies import to_device
 from pdserve.cuda_graphs import DecodeGraphs
 from pdserve.models.arch import ArchConfig
 from pdserve.models.llama import CausalLM
 from pdserve.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DeviceInputs:
+    """Input ids of a step that only the device holds: the previous step's sampled tokens.
+
+    ``rows[j]`` is the row of ``token_ids`` that feeds the j-th scheduled request with
+    ``num_device_inputs`` (its last input token), in scheduling order.
+    """
+
+    token_ids: torch.Tensor  # [M] int64 on the device
+    rows: list[int]
 
 
 class ModelRunner:
@@ -103,12 +121,20 @@ class ModelRunner:
         self.model.bind_kv_cache(list(self.kv_cache.unbind(0)))
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, layer_events: list | None = None) -> torch.Tensor:
-        """Forward the step's tokens; returns float32 logits [N, vocab] of the rows that sample, in order.
+    def execute(
+        self,
+        out: SchedulerOutput,
+        device_inputs: DeviceInputs | None = None,
+        layer_events: list | None = None,
+    ) -> torch.Tensor:
+        """Queue the step's forward; returns float32 logits [N, vocab] of the rows that sample, in order.
 
+        Placeholder input ids (``ScheduledRequest.num_device_inputs``) come from
+        ``device_inputs``; their slots in the host list hold 0 until the device fills them.
         With ``layer_events`` (a list, CUDA), an eager step appends one event per layer, recorded
         once that layer's kernels are queued: layer i's KV is written when event i completes. A
-        CUDA-graph step appends none."""
+        CUDA-graph step appends none.
+        """
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -116,10 +142,14 @@ class ModelRunner:
         seq_lens: list[int] = []
         query_lens: list[int] = []
         sample_rows: list[int] = []
+        device_rows: list[int] = []  # rows of input_ids that device_inputs fill
         max_blocks = 0
         for s in out.scheduled:
             end = s.start + s.num_tokens
             input_ids += s.token_ids
+            for _ in range(s.num_device_inputs):
+                device_rows.append(len(input_ids))
+                input_ids.append(0)
             pos = range(s.start, end)
             positions += pos
             slots += [s.block_ids[p // bs] * bs + p % bs for p in pos]
@@ -133,6 +163,11 @@ class ModelRunner:
         ]
 
         dev = self.device
+        fill = None
+        if device_rows:
+            assert device_inputs is not None and len(device_inputs.rows) == len(device_rows)
+            src = to_device(device_inputs.rows, torch.long, dev)
+            fill = (to_device(device_rows, torch.long, dev), device_inputs.token_ids.index_select(0, src))
         graphs = self.graphs
         if (
             graphs is not None
@@ -140,7 +175,7 @@ class ModelRunner:
             and graphs.bucket_for(len(table)) is not None
             and max_blocks <= graphs.max_blocks
         ):
-            hidden = graphs.run(input_ids, positions, slots, seq_lens, table)
+            hidden = graphs.run(input_ids, positions, slots, seq_lens, table, fill)
         else:
             meta = AttentionMetadata.build(slots, table, seq_lens, query_lens, dev)
             after_layer = None
@@ -151,11 +186,10 @@ class ModelRunner:
                     event.record()
                     layer_events.append(event)
 
-            hidden = self.model(
-                torch.tensor(input_ids, dtype=torch.long, device=dev),
-                torch.tensor(positions, dtype=torch.long, device=dev),
-                meta,
-                self.backend,
-                after_layer,
-            )
-        return self.model.compute_logits(hidden[torch.tensor(sample_rows, dtype=torch.long, device=dev)])
+            ids = to_device(input_ids, torch.long, dev)
+            if fill is not None:
+                ids.index_copy_(0, *fill)
+            hidden = self.model(ids, to_device(positions, torch.long, dev), meta, self.backend, after_layer)
+        if len(sample_rows) < hidden.shape[0]:
+            hidden = hidden.index_select(0, to_device(sample_rows, torch.long, dev))
+        return self.model.compute_logits(hidden)

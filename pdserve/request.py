@@ -7,6 +7,13 @@ gives it some of the rest. When ``num_computed_tokens`` catches up with
 ``num_tokens`` the step's logits sample the next token. A fresh request needs its
 whole prompt; a running one needs one token per step; a preempted one starts
 again from zero (prefix caching usually hands most of it back).
+
+With async scheduling the scheduler plans step N+1 before step N's sampled tokens reach the
+host. Tokens of steps scheduled but not yet applied are ``num_inflight_tokens`` (their KV is
+being written; the next step starts at ``num_started_tokens``), and each of those steps that
+samples adds an output placeholder: a token that exists on the device only. The next step
+computes the placeholder's KV with the id taken from the device, so a running request needs
+one token per step whether or not its last token has reached the host.
 """
 
 from __future__ import annotations
@@ -73,6 +80,10 @@ class Request:
     """The stop token id or stop string that finished the request, if any."""
     hold_blocks: bool = False
     """Keep the blocks after a normal finish until ``Scheduler.release_held`` (KV still to be sent)."""
+    num_inflight_tokens: int = 0
+    """Tokens of scheduled steps whose output is not applied yet (async scheduling; else 0 between steps)."""
+    num_output_placeholders: int = 0
+    """Tokens those steps sample: on the device, not yet in ``output_token_ids``."""
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -90,6 +101,29 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_started_tokens(self) -> int:
+        """Tokens whose KV is computed or being computed: where the next step starts."""
+        return self.num_computed_tokens + self.num_inflight_tokens
+
+    @property
+    def num_tokens_with_placeholders(self) -> int:
+        return self.num_tokens + self.num_output_placeholders
+
+    def length_capped_ahead(self, max_model_len: int) -> bool:
+        """Whether the tokens in flight will end the request by length: nothing more to schedule.
+
+        ``max_tokens`` and ``max_model_len`` are known before the tokens are; stop tokens and
+        stop strings are not, so a request they end computes one token more, which is dropped.
+        """
+        if not self.num_output_placeholders:
+            return False
+        max_tokens = self.sampling_params.max_tokens
+        num_outputs = self.num_output_tokens + self.num_output_placeholders
+        return (max_tokens is not None and num_outputs >= max_tokens) or (
+            self.num_tokens_with_placeholders >= max_model_len
+        )
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -8,7 +8,12 @@ The order follows vLLM v1's sampler:
 4. greedy rows: argmax of the penalized logits;
 5. random rows: temperature, min_p, top_k, top_p (removed tokens become -inf), softmax,
    then one draw per row with the exponential trick (``argmax(probs / q)``, ``q ~ Exp(1)``);
-6. one device->host transfer of the sampled ids and logprobs.
+6. one device->host transfer of the sampled ids and logprobs, started without waiting for it:
+   ``Sampler.sample`` returns a ``PendingSample`` whose ``token_ids`` stay on the device (the
+   next step reads them there under async scheduling) and whose ``get()`` waits for the copy.
+
+No step of it reads device values on the host: index lists go up through pinned memory
+(``copies.py``), so the host can prepare the next step while this one runs.
 
 Reproducibility: a seeded row draws exactly ``V`` exponentials from its own generator per
 step and every other operation is row-local, so the same seed gives the same tokens wherever
@@ -24,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.copies import HostCopy, to_device
 from pdserve.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
@@ -44,13 +50,20 @@ class SamplingRow:
     """One request's row of the logits in this step.
 
     ``generator`` is the request's own generator when it is seeded (see ``make_generator``);
-    ``None`` draws from the sampler's shared generator.
+    ``None`` draws from the sampler's shared generator. ``num_pending_outputs`` counts output
+    tokens sampled by steps still in flight (async scheduling): they count for ``min_tokens``
+    but are not in ``output_token_ids`` yet, so a row with penalties must have none.
     """
 
     params: SamplingParams
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
     generator: torch.Generator | None = None
+    num_pending_outputs: int = 0
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids) + self.num_pending_outputs
 
 
 @dataclass(frozen=True)
@@ -83,14 +96,14 @@ def apply_min_tokens(
     row_idx: list[int] = []
     tok_idx: list[int] = []
     for i, row in enumerate(rows):
-        if len(row.output_token_ids) >= row.params.min_tokens:
+        if row.num_output_tokens >= row.params.min_tokens:
             continue
         for tok in {*eos_token_ids, *row.params.stop_token_ids}:
             if 0 <= tok < vocab:
                 row_idx.append(i)
                 tok_idx.append(tok)
     if row_idx:
-        index = torch.tensor([row_idx, tok_idx], dtype=torch.long).to(logits.device)  # [2, M]
+        index = to_device([row_idx, tok_idx], torch.long, logits.device)  # [2, M]
         logits[index[0], index[1]] = _NEG_INF
     return logits
 
@@ -101,7 +114,9 @@ def _bin_counts(seqs: Sequence[Sequence[int]], vocab: int, device: torch.device)
     flat = torch.tensor(list(itertools.chain.from_iterable(seqs)), dtype=torch.long)  # [T]
     row = torch.repeat_interleave(torch.arange(len(seqs)), lengths)  # [T]
     valid = (flat >= 0) & (flat < vocab)
-    keys = (row * vocab + flat)[valid].to(device)  # [T'] flat index into [M, V]
+    keys = (row * vocab + flat)[valid]  # [T'] flat index into [M, V]
+    if device.type != "cpu":
+        keys = keys.pin_memory().to(device, non_blocking=True)
     return torch.bincount(keys, minlength=len(seqs) * vocab).view(len(seqs), vocab)
 
 
@@ -119,13 +134,13 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
     idx = [i for i, row in enumerate(rows) if row.params.has_penalties]
     if not idx:
         return logits
+    assert all(rows[i].num_pending_outputs == 0 for i in idx), "penalties need every output token"
     device, vocab = logits.device, logits.shape[1]
     sub = [rows[i].params for i in idx]
-    idx_t = torch.tensor(idx, dtype=torch.long).to(device)  # [M]
-    values = torch.tensor(
-        [[p.repetition_penalty, p.frequency_penalty, p.presence_penalty] for p in sub],
-        dtype=torch.float32,
-    ).to(device)  # [M, 3]
+    idx_t = to_device(idx, torch.long, device)  # [M]
+    values = to_device(
+        [[p.repetition_penalty, p.frequency_penalty, p.presence_penalty] for p in sub], torch.float32, device
+    )  # [M, 3]
     rep, freq, pres = (v.unsqueeze(1) for v in values.unbind(1))  # each [M, 1]
 
     x = logits.index_select(0, idx_t)  # [M, V]
@@ -181,7 +196,7 @@ def apply_filters(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tor
     device, vocab = logits.device, logits.shape[1]
 
     def per_row(values: list, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype).to(device)  # [R]
+        return to_device(values, dtype, device)  # [R]
 
     if any(p.temperature != 1.0 for p in params):
         logits.div_(per_row([p.temperature for p in params], torch.float32).unsqueeze(1))
@@ -208,9 +223,15 @@ class Sampler:
         self.generator = make_generator(seed, device)
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+        """``sample`` and wait for its result on the host."""
+        return self.sample(logits, rows).get()
+
+    def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> PendingSample:
         """logits: [N, V] (any float dtype, any device), row i of logits belongs to rows[i].
 
-        ``logits`` is not modified. Per-row generators advance; nothing else is mutated.
+        Queues the sampling and the copy of its result to the host, and returns without
+        waiting for either. ``logits`` is not modified. Per-row generators advance; nothing
+        else is mutated.
         """
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} rows")
@@ -223,7 +244,7 @@ class Sampler:
         apply_min_tokens(x, rows, self.eos_token_ids)
         apply_penalties(x, rows)
         sampled = self._sample(x, rows)  # [N] int64
-        return _to_output(sampled, rows, lp_idx, raw_logprobs)
+        return PendingSample.start(sampled, rows, lp_idx, raw_logprobs)
 
     def _sample(self, x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """Greedy rows take the argmax, random rows are filtered and drawn. x [N, V] -> [N]."""
@@ -240,8 +261,7 @@ class Sampler:
         if all_random:
             return drawn
         sampled = x.argmax(dim=-1)  # [N]; the random rows' entries are replaced next
-        idx_t = torch.tensor(random_idx, dtype=torch.long).to(x.device)
-        return sampled.index_copy_(0, idx_t, drawn)
+        return sampled.index_copy_(0, to_device(random_idx, torch.long, x.device), drawn)
 
     def _exponentials(
         self, generators: Sequence[torch.Generator | None], vocab: int, device: torch.device
@@ -256,7 +276,7 @@ class Sampler:
             if len(shared) == len(generators):
                 q = draws
             else:
-                q[shared] = draws
+                q.index_copy_(0, to_device(shared, torch.long, device), draws)
         for i, gen in enumerate(generators):
             if gen is not None:
                 row = torch.empty(vocab, dtype=torch.float32, device=gen.device)
@@ -269,43 +289,66 @@ def _select_rows(t: torch.Tensor, idx: list[int]) -> torch.Tensor:
     """t[idx] as a new tensor, or t itself when idx covers every row in order."""
     if len(idx) == t.shape[0]:
         return t
-    return t.index_select(0, torch.tensor(idx, dtype=torch.long).to(t.device))
+    return t.index_select(0, to_device(idx, torch.long, t.device))
 
 
-def _to_output(
-    sampled: torch.Tensor,
-    rows: Sequence[SamplingRow],
-    lp_idx: list[int],
-    raw_logprobs: torch.Tensor | None,
-) -> SamplerOutput:
-    """Gather everything into one float64 tensor and move it to the host in one transfer.
+@dataclass(frozen=True)
+class PendingSample:
+    """One step's sampled tokens: on the device at once, on the host once ``get()`` returns.
 
-    float64 holds token ids and ranks exactly and float32 logprobs without rounding.
+    Everything the host needs comes back in one transfer (``HostCopy``): the ids alone, or,
+    when some row asks for logprobs, one float64 tensor that holds token ids and ranks exactly
+    and float32 logprobs without rounding.
     """
-    num_rows = sampled.shape[0]
-    if raw_logprobs is None:
-        return SamplerOutput(token_ids=sampled.tolist(), logprobs=[None] * num_rows)
 
-    vocab = raw_logprobs.shape[1]
-    num_top = min(max(rows[i].params.logprobs for i in lp_idx), vocab)
-    tokens = _select_rows(sampled, lp_idx).unsqueeze(1)  # [L, 1]
-    token_lp = raw_logprobs.gather(1, tokens)  # [L, 1]
-    rank = (raw_logprobs > token_lp).sum(dim=-1, keepdim=True) + 1  # [L, 1]
-    top_lp, top_ids = raw_logprobs.topk(num_top, dim=-1)  # [L, K] each, descending
-    packed = torch.cat([token_lp.double(), rank.double(), top_ids.double(), top_lp.double()], dim=1)
-    host = torch.cat([sampled.double(), packed.flatten()]).tolist()  # the one device->host copy
+    token_ids: torch.Tensor  # [N] int64 on the sampling device: what the next step reads
+    copy: HostCopy
+    logprobs_rows: tuple[int, ...]  # rows that asked for logprobs, in order
+    logprobs_counts: tuple[int, ...]  # params.logprobs of those rows, capped at the vocabulary
+    num_top: int  # top entries per logprobs row in the transfer
 
-    token_ids = [int(t) for t in host[:num_rows]]
-    logprobs: list[TokenLogprobs | None] = [None] * num_rows
-    width = 2 + 2 * num_top
-    for j, i in enumerate(lp_idx):
-        rec = host[num_rows + j * width : num_rows + (j + 1) * width]
-        n = min(rows[i].params.logprobs, vocab)
-        ids, lps = rec[2 : 2 + num_top], rec[2 + num_top :]
-        logprobs[i] = TokenLogprobs(
-            token_id=token_ids[i],
-            logprob=rec[0],
-            rank=int(rec[1]),
-            top=tuple((int(ids[k]), lps[k]) for k in range(n)),
-        )
-    return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+    @classmethod
+    def start(
+        cls,
+        sampled: torch.Tensor,  # [N] int64
+        rows: Sequence[SamplingRow],
+        lp_idx: list[int],
+        raw_logprobs: torch.Tensor | None,  # [L, V], rows lp_idx
+    ) -> PendingSample:
+        if raw_logprobs is None:
+            return cls(sampled, HostCopy(sampled), (), (), 0)
+        vocab = raw_logprobs.shape[1]
+        num_top = min(max(rows[i].params.logprobs for i in lp_idx), vocab)
+        tokens = _select_rows(sampled, lp_idx).unsqueeze(1)  # [L, 1]
+        token_lp = raw_logprobs.gather(1, tokens)  # [L, 1]
+        rank = (raw_logprobs > token_lp).sum(dim=-1, keepdim=True) + 1  # [L, 1]
+        top_lp, top_ids = raw_logprobs.topk(num_top, dim=-1)  # [L, K] each, descending
+        packed = torch.cat([token_lp.double(), rank.double(), top_ids.double(), top_lp.double()], dim=1)
+        flat = torch.cat([sampled.double(), packed.flatten()])  # [N + L * (2 + 2K)]
+        counts = tuple(min(rows[i].params.logprobs, vocab) for i in lp_idx)
+        return cls(sampled, HostCopy(flat), tuple(lp_idx), counts, num_top)
+
+    @property
+    def num_rows(self) -> int:
+        return self.token_ids.shape[0]
+
+    def get(self) -> SamplerOutput:
+        """The step's tokens and logprobs as Python values (waits for the copy)."""
+        host = self.copy.wait().tolist()
+        num_rows = self.num_rows
+        if not self.logprobs_rows:
+            return SamplerOutput(token_ids=host, logprobs=[None] * num_rows)
+        token_ids = [int(t) for t in host[:num_rows]]
+        logprobs: list[TokenLogprobs | None] = [None] * num_rows
+        num_top = self.num_top
+        width = 2 + 2 * num_top
+        for j, (i, n) in enumerate(zip(self.logprobs_rows, self.logprobs_counts)):
+            rec = host[num_rows + j * width : num_rows + (j + 1) * width]
+            ids, lps = rec[2 : 2 + num_top], rec[2 + num_top :]
+            logprobs[i] = TokenLogprobs(
+                token_id=token_ids[i],
+                logprob=rec[0],
+                rank=int(rec[1]),
+                top=tuple((int(ids[k]), lps[k]) for k in range(n)),
+            )
+        return SamplerOutput(token_ids=token_ids, logprobs=logprobs)

@@ -13,6 +13,15 @@ Each ``schedule()`` call fills one engine step:
 
 ``update_from_output`` advances ``num_computed_tokens``, appends sampled tokens of
 requests whose computed tokens caught up, and finishes those that stop.
+
+Async scheduling: the engine may call ``schedule()`` for step N+1 before
+``update_from_output`` of step N (never more than one step ahead). ``schedule()`` therefore
+counts a step's tokens as in flight (``Request.num_inflight_tokens``) and each token it will
+sample as an output placeholder; the next step starts after them and feeds the placeholder
+from the device (``ScheduledRequest.num_device_inputs``). A request whose placeholders will
+end it by length is not scheduled again; one that a stop token or stop string ends gets one
+step too many, whose token ``update_from_output`` drops. With the engine's synchronous path
+nothing is in flight when ``schedule()`` runs and all of this is zero.
 """
 
 from __future__ import annotations
@@ -37,11 +46,15 @@ class ScheduledRequest:
     block_ids: tuple[int, ...]
     needs_sample: bool
     """The step reaches the end of the request's tokens, so its last row samples the next token."""
+    num_device_inputs: int = 0
+    """Trailing tokens of the step that are output placeholders, sampled by the step in flight:
+    the model runner takes their ids from that step's sampled tokens on the device."""
 
     @property
     def token_ids(self) -> list[int]:
+        """The step's input ids that are on the host: all but the last ``num_device_inputs``."""
         # Slice prompt and output separately: all_token_ids would copy the whole sequence.
-        r, end = self.request, self.start + self.num_tokens
+        r, end = self.request, self.start + self.num_tokens - self.num_device_inputs
         p = r.num_prompt_tokens
         if self.start >= p:
             return r.output_token_ids[self.start - p : end - p]
@@ -211,7 +224,14 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if request.num_output_placeholders and (
+                request.length_capped_ahead(self.max_model_len) or request.hold_blocks
+            ):
+                # Its token in flight ends it by length; or it keeps its blocks for a send once
+                # finished, so no step may write them after the one that finishes it.
+                i += 1
+                continue
+            num_new = min(request.num_tokens_with_placeholders - request.num_started_tokens, budget)
             assert num_new > 0, f"running request {request.request_id} has nothing to compute"
             while self.kv.allocate_slots(request, num_new) is None:
                 victim = self.running.pop()
@@ -229,6 +249,9 @@ class Scheduler:
             if len(self.running) >= self.config.max_num_seqs:
                 break
             request = self.waiting[0]
+            # A request preempted with a token in flight is only queued again after that token
+            # arrived: admission is skipped in any step that preempts.
+            assert not request.num_inflight_tokens and not request.num_output_placeholders
             if request.num_computed_tokens:
                 # Its prompt's KV was written by another node: it holds those blocks already.
                 hits, num_hit_tokens = [], request.num_computed_tokens
@@ -254,14 +277,22 @@ class Scheduler:
         return out
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+        """The request's share of the step; its tokens count as in flight from now on."""
         block_ids = tuple(self.kv.get_block_ids(request.request_id))
-        start = request.num_computed_tokens
-        return ScheduledRequest(request, start, num_new, block_ids, start + num_new == request.num_tokens)
+        start = request.num_started_tokens
+        end = start + num_new
+        needs_sample = end == request.num_tokens_with_placeholders
+        num_device_inputs = max(0, end - request.num_tokens)
+        assert num_device_inputs <= 1, "at most one step is in flight"
+        request.num_inflight_tokens += num_new
+        request.num_output_placeholders += needs_sample
+        return ScheduledRequest(request, start, num_new, block_ids, needs_sample, num_device_inputs)
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.num_inflight_tokens = 0  # a token in flight still arrives: its placeholder stays
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -278,16 +309,25 @@ class Scheduler:
         updated = []
         for s in out.scheduled:
             request = s.request
-            request.num_computed_tokens += s.num_tokens
-            if not s.needs_sample:
-                continue
-            token_id, logprobs = next(tokens)
+            token_id, logprobs = next(tokens) if s.needs_sample else (None, None)
             if request.is_finished:
-                continue  # aborted while the step ran
+                continue  # aborted or stopped while the step ran: its token is dropped
+            if request.status == RequestStatus.RUNNING:
+                assert request.num_inflight_tokens >= s.num_tokens
+                request.num_computed_tokens += s.num_tokens
+                request.num_inflight_tokens -= s.num_tokens
+            # Otherwise it was preempted after this step was scheduled (async scheduling): its KV
+            # is gone and will be recomputed, but the token it sampled is valid and kept.
+            if token_id is None:
+                continue
+            request.num_output_placeholders -= 1
             request.append_output_token(token_id, logprobs)
             status = request.check_stop(self.max_model_len)
             if status is not None:
-                self.running.remove(request)
+                if request.status == RequestStatus.RUNNING:
+                    self.running.remove(request)
+                else:
+                    self.waiting.remove(request)
                 request.status = status
                 self._free(request)
             updated.append(request)

@@ -76,6 +76,7 @@ def test_smollm2_matches_transformers(default_model_dir):
 def test_tiny_random_models_match_transformers(tiny_models, arch):
     rng = random.Random(arch)
     prompts = [[rng.randrange(10, 500) for _ in range(n)] for n in PROMPT_LENGTHS]
-    ours = pdserve_greedy(tiny_models[arch], prompts, MAX_NEW_TOKENS)
     ref = hf_greedy(tiny_models[arch], prompts, MAX_NEW_TOKENS)
-    assert [_strip_eos(t, 7) for t in ours] == ref
+    for async_scheduling in (False, True):
+        ours = pdserve_greedy(tiny_models[arch], prompts, MAX_NEW_TOKENS, async_scheduling=async_scheduling)
+        assert [_strip_eos(t, 7) for t in ours] == ref, f"async_scheduling={async_scheduling}"

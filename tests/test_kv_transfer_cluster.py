@@ -35,6 +35,10 @@ MAX_TOKENS = 16
 def cluster(request, default_model_dir, tmp_path_factory):
     cfg = ClusterConfig(port=free_port(), threads_per_node=1, log_dir=str(tmp_path_factory.mktemp("logs")))
     flags = ["--kv-transport", request.param, "--max-num-batched-tokens", "128"]
+    if request.param == "nccl":
+        # Nodes on the CPU schedule synchronously by default; run the async engine loop here:
+        # prefill chunks shipped while the next step runs, landings, late stops, streaming.
+        flags.append("--async-scheduling")
     c = LocalCluster(cfg, flags, ModelConfig())
     try:
         c.start()

@@ -71,7 +71,8 @@ def test_prefix_cache_hits_keep_tokens(default_model_dir, reference):
     kv.check_integrity()
 
 
-def test_forced_preemption_keeps_tokens(default_model_dir, reference):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_forced_preemption_keeps_tokens(default_model_dir, reference, async_scheduling):
     prompts, expected = reference
     # 20 blocks x 16 tokens cannot hold six ~130-token prompts plus 24 outputs each at once.
     llm = LLM(
@@ -81,6 +82,7 @@ def test_forced_preemption_keeps_tokens(default_model_dir, reference):
         max_model_len=320,
         max_num_batched_tokens=256,
         enable_prefix_caching=False,
+        async_scheduling=async_scheduling,
     )
     outs = llm.generate(prompts, GREEDY)
     assert llm.engine.scheduler.num_preemptions > 0

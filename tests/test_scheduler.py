@@ -467,20 +467,32 @@ class FakeKV:
         self.block_size = block_size
         self.slots: dict[tuple[int, int], int] = {}
 
-    def run(self, out: SchedulerOutput) -> None:
+    def run(self, out: SchedulerOutput, device_tokens: dict[str, int] | None = None) -> None:
+        """``device_tokens``: what the step in flight sampled, by request (async scheduling)."""
         bs = self.block_size
         for s in out.scheduled:
             assert len(s.block_ids) == cdiv(s.start + s.num_tokens, bs), "blocks beyond the step's tokens"
             assert len(set(s.block_ids)) == len(s.block_ids)
-            for pos, token in zip(range(s.start, s.start + s.num_tokens), s.token_ids, strict=True):
+            ids = s.token_ids + [device_tokens[s.request.request_id] for _ in range(s.num_device_inputs)]
+            for pos, token in zip(range(s.start, s.start + s.num_tokens), ids, strict=True):
                 self.slots[s.block_ids[pos // bs], pos % bs] = token
         for s in out.scheduled:
             want = s.request.all_token_ids[: s.start + s.num_tokens]
+            want += [device_tokens[s.request.request_id] for _ in range(s.num_device_inputs)]
             got = [self.slots.get((s.block_ids[p // bs], p % bs)) for p in range(len(want))]
             assert got == want, f"request {s.request.request_id} reads a corrupted prefix"
 
 
-def run_random(seed: int, block_size: int, extra_blocks: int, budget: int, max_num_seqs: int, caching: bool):
+def run_random(
+    seed: int,
+    block_size: int,
+    extra_blocks: int,
+    budget: int,
+    max_num_seqs: int,
+    caching: bool,
+    lag: bool = False,
+):
+    """``lag``: async scheduling, each step applied after the next one was scheduled."""
     rng = random.Random(seed)
     max_model_len = rng.choice([block_size * 2, 24, 40, 64])
     num_blocks = cdiv(max_model_len, block_size) + extra_blocks  # the engine guarantees one full request
@@ -524,6 +536,8 @@ def run_random(seed: int, block_size: int, extra_blocks: int, budget: int, max_n
 
     first_start: dict[str, int] = {}  # where each request's first scheduled chunk began
     next_id = 0
+    in_flight: tuple[SchedulerOutput, list[int]] | None = None
+    device_tokens: dict[str, int] = {}  # what the step in flight sampled, by request
     for _ in range(2000):
         # Arrivals, in bursts.
         while next_id < num_requests and rng.random() < 0.4:
@@ -533,7 +547,7 @@ def run_random(seed: int, block_size: int, extra_blocks: int, budget: int, max_n
         if sched.requests and rng.random() < 0.03:
             sched.finish_requests([rng.choice(list(sched.requests))], RequestStatus.FINISHED_ABORTED)
             sched.check_integrity()
-        if next_id >= num_requests and not sched.has_unfinished():
+        if next_id >= num_requests and not sched.has_unfinished() and in_flight is None:
             break
         out = sched.schedule()
         assert out.num_batched_tokens <= budget
@@ -541,15 +555,26 @@ def run_random(seed: int, block_size: int, extra_blocks: int, budget: int, max_n
         assert all(s.num_tokens > 0 for s in out.scheduled)
         assert len({s.request.request_id for s in out.scheduled}) == len(out.scheduled)
         if sched.running and not out.preempted:
-            assert not out.is_empty, "running requests but nothing scheduled"
-        kv.run(out)
+            # Under lag, every running request may be waiting for a token that ends it by length.
+            assert not out.is_empty or in_flight is not None, "running requests but nothing scheduled"
+        kv.run(out, device_tokens)
         for s in out.scheduled:
             first_start.setdefault(s.request.request_id, s.start)
+        tokens = [sample(s) for s in out.scheduled if s.needs_sample]
+        device_tokens = {
+            s.request.request_id: t for s, t in zip([s for s in out.scheduled if s.needs_sample], tokens)
+        }
         if out.scheduled and rng.random() < 0.03:  # an abort lands while the step runs
             victim = rng.choice(out.scheduled).request
             sched.finish_requests([victim.request_id], RequestStatus.FINISHED_ABORTED)
-        tokens = [sample(s) for s in out.scheduled if s.needs_sample]
-        sched.update_from_output(out, SamplerOutput(token_ids=tokens, logprobs=[None] * len(tokens)))
+        if in_flight is not None:  # the previous step is applied after this one was launched
+            sched.update_from_output(in_flight[0], SamplerOutput(in_flight[1], [None] * len(in_flight[1])))
+            in_flight = None
+        if not out.is_empty:
+            in_flight = (out, tokens)
+        if not lag and in_flight is not None:
+            sched.update_from_output(out, SamplerOutput(token_ids=tokens, logprobs=[None] * len(tokens)))
+            in_flight = None
         sched.check_integrity()
     else:
         raise AssertionError(f"seed {seed}: requests never finished")
@@ -580,7 +605,8 @@ def run_random(seed: int, block_size: int, extra_blocks: int, budget: int, max_n
         assert sched.kv.pool.reset_prefix_cache()
 
 
-def test_randomized_seeds():
+@pytest.mark.parametrize("lag", [False, True], ids=["sync", "async"])
+def test_randomized_seeds(lag):
     for seed in range(300):
         rng = random.Random(seed)
         run_random(
@@ -590,6 +616,7 @@ def test_randomized_seeds():
             budget=rng.choice([1, 3, 4, 7, 16, 33, 128]),
             max_num_seqs=rng.randint(1, 6),
             caching=rng.random() < 0.7,
+            lag=lag,
         )
 
 
@@ -607,9 +634,10 @@ def test_randomized_seeds():
     budget=st.integers(1, 80),
     max_num_seqs=st.integers(1, 8),
     caching=st.booleans(),
+    lag=st.booleans(),
 )
-def test_randomized_hypothesis(seed, block_size, extra_blocks, budget, max_num_seqs, caching):
-    run_random(seed, block_size, extra_blocks, budget, max_num_seqs, caching)
+def test_randomized_hypothesis(seed, block_size, extra_blocks, budget, max_num_seqs, caching, lag):
+    run_random(seed, block_size, extra_blocks, budget, max_num_seqs, caching, lag)
 
 
 def test_remote_reservation_shares_the_cached_prefix_and_lands():
@@ -640,3 +668,72 @@ def test_remote_reservation_shares_the_cached_prefix_and_lands():
     sched.finish_requests(["d"], RequestStatus.FINISHED_ABORTED)
     sched.check_integrity()
     assert not sched.has_unfinished() and sched.kv.num_free_blocks == 16
+
+
+# ------------------------------------------------------------------------ async scheduling (lag 1)
+
+
+def _apply(sched: Scheduler, out: SchedulerOutput, tokens: list[int]) -> list[Request]:
+    return sched.update_from_output(out, SamplerOutput(token_ids=tokens, logprobs=[None] * len(tokens)))
+
+
+def test_async_placeholders_feed_the_next_step_and_max_tokens_is_known_ahead():
+    sched = make_scheduler()
+    a = make_request("a", [1, 2, 3, 4, 5], max_tokens=3)
+    sched.add_request(a)
+    first = sched.schedule()
+    assert [(s.start, s.num_tokens, s.needs_sample, s.num_device_inputs) for s in first.scheduled] == [
+        (0, 5, True, 0)
+    ]
+    assert (a.num_computed_tokens, a.num_inflight_tokens, a.num_output_placeholders) == (0, 5, 1)
+    # Step 2 is scheduled before step 1's token is on the host: its input is the placeholder.
+    second = sched.schedule()
+    s = second.scheduled[0]
+    assert (s.start, s.num_tokens, s.needs_sample, s.num_device_inputs, s.token_ids) == (5, 1, True, 1, [])
+    assert second.scheduled[0].block_ids == (0, 1)  # position 5 needs a second block
+    assert _apply(sched, first, [100]) == [a]
+    assert (a.num_computed_tokens, a.num_inflight_tokens, a.num_output_placeholders) == (5, 1, 1)
+    third = sched.schedule()
+    assert [(s.start, s.num_device_inputs) for s in third.scheduled] == [(6, 1)]
+    _apply(sched, second, [101])
+    # Two tokens on the host and the third in flight: max_tokens=3 is reached, nothing to schedule.
+    assert sched.schedule().is_empty and a.status == RequestStatus.RUNNING
+    _apply(sched, third, [102])
+    assert a.status == RequestStatus.FINISHED_LENGTH_CAPPED and a.output_token_ids == [100, 101, 102]
+    sched.check_integrity()
+    assert sched.kv.num_free_blocks == 16
+
+
+def test_async_stop_found_a_step_late_drops_the_extra_token():
+    sched = make_scheduler()
+    a = make_request("a", [1, 2, 3], max_tokens=10, ignore_eos=False)
+    sched.add_request(a)
+    first = sched.schedule()
+    second = sched.schedule()  # computes the placeholder, samples one more
+    assert _apply(sched, first, [EOS]) == [a]
+    assert a.status == RequestStatus.FINISHED_STOPPED and sched.kv.num_free_blocks == 16
+    assert _apply(sched, second, [55]) == []  # the step that ran past EOS: its token is dropped
+    assert a.output_token_ids == [EOS]
+    sched.check_integrity()
+
+
+def test_async_preempted_with_a_token_in_flight_keeps_it():
+    sched = make_scheduler(num_blocks=4, max_model_len=16, enable_prefix_caching=False)
+    a = make_request("a", [1, 2, 3, 4, 5, 6, 7, 8], max_tokens=6)
+    b = make_request("b", [11, 12, 13, 14, 15, 16, 17], max_tokens=6)
+    sched.add_request(a)
+    sched.add_request(b)
+    first = sched.schedule()  # a: blocks 0, 1; b: blocks 2, 3; the pool is full
+    # a's placeholder (position 8) needs a third block: b, the newest, is preempted while its
+    # first token is in flight.
+    second = sched.schedule()
+    assert second.preempted == ["b"] and [s.request for s in second.scheduled] == [a]
+    assert b.status == RequestStatus.PREEMPTED and b.num_output_placeholders == 1
+    _apply(sched, first, [100, 200])
+    assert b.output_token_ids == [200] and b.num_output_placeholders == 0 and b.num_computed_tokens == 0
+    sched.check_integrity()
+    _apply(sched, second, [101])
+    run_to_idle(sched)
+    assert a.output_token_ids == [100, 101, 102, 103, 104, 105]
+    assert b.output_token_ids == [200, 101, 102, 103, 104, 105]  # count_token: 100 + output index
+    assert sched.kv.num_free_blocks == 4

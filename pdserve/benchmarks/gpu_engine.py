@@ -7,8 +7,10 @@ One run, every figure against an anchor measured in the same run:
 * teacher-forced agreement: pdserve's greedy tokens and their log-probs against one
   transformers forward over the same sequence (same weights, copied from HF's model);
 * decode throughput at batch 1, 8, 32 and 64 (1k-token prompts) against HF ``generate``,
-  against the same engine without CUDA graphs and against the HBM roofline (weight + KV
-  bytes per step over the copy bandwidth measured here);
+  against the same engine without CUDA graphs, with async scheduling off and on (the sync
+  anchor: the host schedules and prepares a step only after the previous one's tokens are on
+  the host) and against the HBM roofline (weight + KV bytes per step over the copy bandwidth
+  measured here);
 * the same decode workloads end to end (prefill included) against HF's continuous-batching
   ``generate_batch``, with the same prompts, output length, greedy and EOS ignored;
 * prefill throughput of a 2048-token prompt against one HF forward and the matmul roofline.
@@ -62,6 +64,15 @@ NOTES = {
     ),
     "decode.hf_tok_s": "the same subtraction with HF generate (DynamicCache, sdpa) on the same prompts",
     "decode.eager_tok_s": "the same engine with its CUDA graphs switched off (anchor for the graphs)",
+    "decode.async_scheduling": (
+        "whether pdserve_tok_s (and eager_tok_s, generate_batch) ran with async scheduling"
+    ),
+    "decode.sync_tok_s": (
+        "decode.pdserve_tok_s measured with async scheduling off: each step's tokens are read on the "
+        "host before the next step is scheduled (the anchor for async scheduling)"
+    ),
+    "decode.async_tok_s": "decode.pdserve_tok_s measured with async scheduling on",
+    "decode.ratio_async_vs_sync": "async_tok_s / sync_tok_s",
     "decode.roofline_tok_s": (
         "batch * hbm_copy_gbps / (weight_bytes + batch * context * kv_bytes_per_token), "
         "context = prompt_len + new_tokens / 2 (the mean over the decode steps)"
@@ -331,6 +342,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--skip-hf-decode", action="store_true", help="no HF generate decode anchor")
     p.add_argument("--skip-generate-batch", action="store_true", help="no HF generate_batch anchor")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs at all")
+    p.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the engine's mode for the main figures (default: the engine's, on for CUDA); "
+        "the other mode is measured as well, as the anchor",
+    )
     p.add_argument("--out", default=None, help="default docs/benchmarks/gpu_engine.json")
     p.add_argument(
         "--dry-run",
@@ -365,6 +383,7 @@ def main(argv: list[str] | None = None) -> None:
         max_num_seqs=64,
         max_num_batched_tokens=max(4096, args.prefill_len),
         enforce_eager=args.enforce_eager,
+        async_scheduling=args.async_scheduling,
         **engine_kwargs,
     )
     arch = llm.engine.arch
@@ -448,6 +467,24 @@ def main(argv: list[str] | None = None) -> None:
         }
         line = (
             f"decode b={batch}: pdserve {ours:.0f} tok/s, {ours / roofline:.1%} of roofline ({roofline:.0f})"
+        )
+        # The other scheduling mode on the same engine and prompts: sync is async's anchor.
+        mode = llm.engine.async_scheduling
+        llm.engine.async_scheduling = not mode
+        other, _ = decode_tok_s(llm, batch, args.decode_prompt_len, new, vocab)
+        llm.engine.async_scheduling = mode
+        rate = {mode: ours, not mode: other}
+        row.update(
+            async_scheduling=mode,
+            async_tok_s=rate[True],
+            sync_tok_s=rate[False],
+            ratio_async_vs_sync=rate[True] / rate[False],
+            async_share_of_roofline=rate[True] / roofline,
+            sync_share_of_roofline=rate[False] / roofline,
+        )
+        line += (
+            f"; async scheduling {'on' if mode else 'off'}: async {rate[True]:.0f} = "
+            f"{rate[True] / rate[False]:.2f}x sync ({rate[False]:.0f}, {rate[False] / roofline:.1%})"
         )
         if graphs is not None:  # the same engine without its graphs, as the eager anchor
             runner.graphs = None
