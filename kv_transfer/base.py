@@ -406,6 +406,11 @@ def coalesce(
     return src[starts] * slab_bytes, dst[starts] * slab_bytes, counts * slab_bytes
 
 
+def slab_bytes(kv: torch.Tensor) -> int:
+    """Bytes of one (layer, block) slab ``[2, BS, Hkv, D]`` of a cache ``[L, NB, 2, BS, Hkv, D]``."""
+    return kv[0, 0].numel() * kv.element_size()
+
+
 def block_runs(src_block_ids: Sequence[int], dst_block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
     """(source start, destination start, count) of the runs of blocks consecutive on both sides."""
     runs: list[tuple[int, int, int]] = []

@@ -70,6 +70,7 @@ from kv_transfer.base import (
     block_runs,
     in_place,
     layer_chunks,
+    slab_bytes,
     stage_blocks,
 )
 from kv_transfer.wire import KVSend, KVSetup, KVSetupReply
@@ -120,10 +121,6 @@ def _wait(work, deadline: float, cuda: bool) -> None:
 
 def direct_allowed(kv: torch.Tensor) -> bool:
     return kv.is_cuda or DIRECT_ON_CPU
-
-
-def _slab_bytes(kv: torch.Tensor) -> int:
-    return kv[0, 0].numel() * kv.element_size()
 
 
 def _run_views(
@@ -409,7 +406,7 @@ class NcclReceiverPlane(ReceiverPlane):
 
     def start(self, kv: torch.Tensor, table: ReservationTable, outbox, on_commit, host: str) -> None:
         self.kv, self.table, self.outbox, self.on_commit = kv, table, outbox, on_commit
-        self.region_bytes = _slab_bytes(kv)
+        self.region_bytes = slab_bytes(kv)
         self.cache_bytes = kv.numel() * kv.element_size()
         self.flat = kv.view(-1).view(torch.uint8)
         self.gloo_host = host if host not in ("0.0.0.0", "") else socket.gethostbyname(socket.gethostname())
@@ -492,7 +489,7 @@ class NcclSenderPlane(SenderPlane):
         wait on the GPU for that chunk's layer event), else gathered on the cache's device once
         everything queued so far is done."""
         runs = block_runs(block_ids, dst_block_ids)
-        if direct_allowed(kv) and len(block_ids) * _slab_bytes(kv) >= DIRECT_MIN_RUN_BYTES * len(runs):
+        if direct_allowed(kv) and len(block_ids) * slab_bytes(kv) >= DIRECT_MIN_RUN_BYTES * len(runs):
             return in_place(kv, block_ids, layer_events)  # kept unchanged until the send is over
         return stage_blocks(kv, block_ids)
 
@@ -564,7 +561,7 @@ class NcclSession(SenderSession):
         waits for a header's trip), then one send per (layer, run) straight out of the cache, each
         layer's queued behind its event on the GPU."""
         plane = self.plane
-        kv, slab = plane.kv, _slab_bytes(plane.kv)
+        kv, slab = plane.kv, slab_bytes(plane.kv)
         src = list(staged.block_ids)
         runs = block_runs(src, dst_block_ids)
         num_layers = kv.shape[0]

@@ -67,6 +67,7 @@ from kv_transfer.base import (
     coalesce,
     in_place,
     layer_chunks,
+    slab_bytes,
 )
 from kv_transfer.wire import KVReadDone, KVReady, KVSetup, KVSetupReply
 from kv_transfer.zmq_backend import valid_block_ids
@@ -122,10 +123,6 @@ def _device_id(t: torch.Tensor) -> int:
     return max(t.get_device(), 0)
 
 
-def _slab_bytes(kv: torch.Tensor) -> int:
-    return kv[0, 0].numel() * kv.element_size()
-
-
 def _descs(base: int, offsets: np.ndarray, lengths: np.ndarray, device: int) -> np.ndarray:
     """[n, 3] NIXL descriptors (address, length, device)."""
     descs = np.empty((len(offsets), 3), dtype=np.uint64)
@@ -177,7 +174,7 @@ class NixlReceiverPlane(ReceiverPlane):
     def start(self, kv: torch.Tensor, table: ReservationTable, outbox, on_commit, host: str) -> None:
         self.kv, self.table = kv, table
         self.num_layers, self.num_blocks = kv.shape[0], kv.shape[1]
-        self.slab_bytes = _slab_bytes(kv)
+        self.slab_bytes = slab_bytes(kv)
         with _on_device(kv):
             self.agent = _agent("decode", self.ucx_net_devices, self.ucx_tls)
             self._registered = self.agent.register_memory(kv)  # the whole cache, once
@@ -185,15 +182,15 @@ class NixlReceiverPlane(ReceiverPlane):
         self._thread.start()
 
     def setup(self, peer: bytes, msg: KVSetup) -> KVSetupReply:
-        address, num_layers, num_blocks, slab_bytes, device = msg.nixl_cache
+        address, num_layers, num_blocks, slab, device = msg.nixl_cache
         if not msg.nixl_metadata or not msg.nixl_agent or not address or num_blocks <= 0:
             return KVSetupReply(ok=False, error="the sender offered nixl without agent metadata and cache")
         if not 0 < address < 1 << 64 or not 0 <= device < 1 << 16 or msg.nixl_mem not in ("DRAM", "VRAM"):
             error = f"the sender's nixl cache is not valid memory: {msg.nixl_mem} at {address:#x} on {device}"
             return KVSetupReply(ok=False, error=error)
-        if (num_layers, slab_bytes) != (self.num_layers, self.slab_bytes):
+        if (num_layers, slab) != (self.num_layers, self.slab_bytes):
             error = (
-                f"nixl KV layout mismatch: the sender's cache has {num_layers} layers of {slab_bytes}-byte "
+                f"nixl KV layout mismatch: the sender's cache has {num_layers} layers of {slab}-byte "
                 f"block slabs, this node's {self.num_layers} of {self.slab_bytes}"
             )
             return KVSetupReply(ok=False, error=error)
@@ -403,7 +400,7 @@ class NixlSenderPlane(SenderPlane):
         return {
             "nixl_agent": self.agent.name,
             "nixl_metadata": self.agent.get_agent_metadata(),
-            "nixl_cache": (kv.data_ptr(), kv.shape[0], kv.shape[1], _slab_bytes(kv), _device_id(kv)),
+            "nixl_cache": (kv.data_ptr(), kv.shape[0], kv.shape[1], slab_bytes(kv), _device_id(kv)),
             "nixl_mem": _mem_type(kv),
         }
 
@@ -450,7 +447,7 @@ class NixlSession(SenderSession):
         READ over (raises if one failed)."""
         kv, src = self.plane.kv, list(staged.block_ids)
         if len(staged.ready) > 1:
-            chunks = layer_chunks(kv.shape[0], len(src) * _slab_bytes(kv), LAYER_CHUNK_BYTES)
+            chunks = layer_chunks(kv.shape[0], len(src) * slab_bytes(kv), LAYER_CHUNK_BYTES)
         else:
             chunks = [(0, kv.shape[0])]
         pending: set[int] = set()
