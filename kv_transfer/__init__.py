@@ -54,6 +54,7 @@ import functools
 
 from kv_transfer.base import (
     KVReceiver,
+    KVRefused,
     KVSender,
     KVTransferError,
     ReservationTable,
@@ -62,6 +63,7 @@ from kv_transfer.base import (
 
 __all__ = [
     "KVReceiver",
+    "KVRefused",
     "KVSender",
     "KVTransferError",
     "ReservationTable",

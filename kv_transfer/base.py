@@ -25,6 +25,11 @@ class KVTransferError(RuntimeError):
     """A transfer or handshake failed; the message says why."""
 
 
+class KVRefused(KVTransferError):
+    """The peer answered and refused the request (its lease ran out, its blocks are not reserved,
+    a READ of it was refused): the connection is in a known state and stays up."""
+
+
 def check_compatible(ours: NodeInfo, theirs: NodeInfo) -> list[str]:
     """Human-readable mismatches between two nodes (empty when they may exchange KV)."""
     return [
@@ -48,6 +53,11 @@ class _Reservation:
 
     def num_missing(self, num_layers: int) -> int:
         """(layer, block) units of the reservation no write covered."""
+        if all(start == 0 and end == num_layers for start, end, _ in self.landed):
+            # Every write covered all layers (the common case of a send in one piece): a set will do,
+            # which costs a few microseconds where the grid below costs tens.
+            covered = set().union(*(block_ids for _, _, block_ids in self.landed))
+            return num_layers * sum(1 for b in self.block_ids if b not in covered)
         ids = np.sort(np.asarray(self.block_ids, dtype=np.int64))
         covered = np.zeros((num_layers, len(ids)), dtype=bool)
         for layer_start, layer_end, block_ids in self.landed:
@@ -275,8 +285,9 @@ class KVSender(ABC):
 
 class ReceiverPlane(ABC):
     """A receiver's data plane beside plain zmq frames (nixl, nccl): one per receiver, shared by
-    every sender that agreed on it. The receiver's control thread calls ``setup`` and ``handle``;
-    the plane answers asynchronously through ``outbox`` and writes only as the table allows."""
+    every sender that agreed on it. The receiver's control thread calls ``setup``, ``handle`` and
+    ``poll``; the plane answers through ``outbox`` (from any thread) and writes only as the table
+    allows."""
 
     name: str
     handles_commit = False
@@ -297,6 +308,12 @@ class ReceiverPlane(ABC):
     @abstractmethod
     def handle(self, peer: bytes, msg) -> None:
         """A data message of this plane (or a KVCommit when ``handles_commit``) from ``peer``."""
+
+    def poll(self) -> bool:
+        """The control thread calls this on every turn of its loop: work the plane does there
+        (nixl checks its READs). True while such work is in flight: the control thread then
+        turns again at once instead of waiting for the next message."""
+        return False
 
     @abstractmethod
     def drop(self, peer: bytes) -> None:
@@ -339,9 +356,17 @@ class SenderSession(ABC):
     """One sender's data connection to one receiver."""
 
     @abstractmethod
-    def deliver(self, request_id: str, staged: Staged, dst_block_ids: list[int], deadline: float) -> None:
+    def deliver(
+        self, request_id: str, staged: Staged, dst_block_ids: list[int], deadline: float
+    ) -> Callable[[float], None] | None:
         """Move staged blocks into the peer's reserved ``dst_block_ids``; raises KVTransferError.
-        Returns once the peer has them, or, where the commit queues behind the data, once sent."""
+
+        Returns None once the peer has them (nixl: the peer reported its READs over). A plane whose
+        peer queues the commit behind the data (nccl: one thread there takes both in order) returns
+        as soon as the data is on its way, with a function that waits, until the deadline it is
+        given, for the data to have left: the sender sends the commit at once, then calls it before
+        the send's future resolves (the source blocks are read until then). If the sender gives up
+        instead, closing the session stops the data."""
 
     @abstractmethod
     def close(self) -> None: ...
@@ -388,22 +413,39 @@ def coalesce(
     """Byte offsets in the source cache, in the destination cache, and lengths of the runs that
     move layers [layer_start, layer_end) of ``src_block_ids[i]`` into ``dst_block_ids[i]`` (caches
     laid out [L, NB, 2, BS, Hkv, D], each with its own NB, so a (layer, block) slab is contiguous).
-    Slabs consecutive in both caches share one run, which ``max_bytes`` (if set) caps."""
-    layers = np.arange(layer_start, layer_end, dtype=np.int64)[:, None]
-    # Slab index layer * NB + block, layer-major, so a run may continue into the next layer.
-    src = (layers * src_num_blocks + np.asarray(src_block_ids, dtype=np.int64)[None, :]).reshape(-1)
-    dst = (layers * dst_num_blocks + np.asarray(dst_block_ids, dtype=np.int64)[None, :]).reshape(-1)
-    breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
-    starts = np.concatenate(([0], breaks))
-    counts = np.diff(np.concatenate((starts, [len(src)])))
+    Slabs consecutive in both caches share one run, which ``max_bytes`` (if set) caps.
+
+    Runs are cut once per send from the block lists (``block_runs``, no numpy: this is on the
+    critical path of every transfer, and a handful of numpy calls on tiny arrays costs more than
+    the loop) and repeated for each layer; a run that ends both caches' layers continues into
+    the next layer when that layer's first run starts at block 0 of both."""
+    runs = block_runs(src_block_ids, dst_block_ids)
+    src_list: list[int] = []
+    dst_list: list[int] = []
+    count_list: list[int] = []
+    for layer in range(layer_start, layer_end):
+        src_base, dst_base = layer * src_num_blocks, layer * dst_num_blocks
+        for s, d, c in runs:
+            s, d = src_base + s, dst_base + d
+            if count_list and src_list[-1] + count_list[-1] == s and dst_list[-1] + count_list[-1] == d:
+                count_list[-1] += c  # the previous layer's last run, continued
+            else:
+                src_list.append(s)
+                dst_list.append(d)
+                count_list.append(c)
+    src = np.array(src_list, dtype=np.int64)
+    dst = np.array(dst_list, dtype=np.int64)
+    counts = np.array(count_list, dtype=np.int64)
+    starts = np.arange(len(counts))
     cap = max(1, max_bytes // slab_bytes) if max_bytes else 0
     if cap and counts.max() > cap:  # cut long runs into pieces of ``cap`` slabs
         pieces = -(-counts // cap)
         first = np.repeat(starts, pieces)
         k = np.arange(len(first)) - np.repeat(np.cumsum(pieces) - pieces, pieces)  # piece number in run
-        starts = first + k * cap
+        src = src[first] + k * cap
+        dst = dst[first] + k * cap
         counts = np.minimum(np.repeat(counts, pieces) - k * cap, cap)
-    return src[starts] * slab_bytes, dst[starts] * slab_bytes, counts * slab_bytes
+    return src * slab_bytes, dst * slab_bytes, counts * slab_bytes
 
 
 def slab_bytes(kv: torch.Tensor) -> int:

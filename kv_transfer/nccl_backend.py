@@ -26,7 +26,10 @@ runs of blocks consecutive in both caches (``block_runs``):
   reservation table's lock (``ReservationTable.write``).
 
 A per-pair thread on the decode node takes headers in order, on its own CUDA stream. The commit
-queues behind the data on the same thread and is acked from there.
+queues behind the data on the same thread and is acked from there, so the prefill node sends it
+right after posting its sends, without waiting for them: one round trip per request, during
+which the bytes move. Should the ack not come, the prefill node aborts the communicator before
+it gives the source blocks back, which ends any send still reading them.
 
 Failure: a header that does not fit the reservation is still received (into the buffer, then
 dropped) so the two ends stay in step, and fails the request at its commit. A recv or send
@@ -45,6 +48,7 @@ sender thread waiting in NCCL's bootstrap rather than timing out.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import itertools
 import logging
@@ -52,7 +56,7 @@ import queue
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -82,9 +86,12 @@ logger = logging.getLogger(__name__)
 CHUNK_BYTES = STAGE_CHUNK_BYTES
 """Largest single send (as staging's chunks): chunk k+1 is sent while the decode node scatters
 chunk k, and chunk 0 while the prefill node still gathers the last layers."""
-DIRECT_MIN_RUN_BYTES = 2 << 20
+DIRECT_MIN_RUN_BYTES = 4 << 20
 """Shortest mean run (bytes per layer of blocks consecutive in both caches) moved directly from
-cache to cache; shorter runs are gathered and scattered, which costs two copies but one op."""
+cache to cache; shorter runs are gathered and scattered, which costs two copies but one op. On
+2xH200 (Llama-3-8B KV, 2 MiB per layer-run at 64 MiB, 8 MiB at 256 MiB) staged beat direct at
+64 MiB (27.0 vs 18.9 GB/s: an op per layer costs more than the copies) and lost at 256 MiB
+(79.2 vs 86.7)."""
 DIRECT_ON_CPU = False
 """Direct recvs into the cache must end when their communicator is aborted: NCCL's abort does
 that, gloo's is not relied on, so on the CPU only staged copies move unless this is set (tests
@@ -97,15 +104,21 @@ OP_TIMEOUT = datetime.timedelta(hours=1)
 """The process group's own timeout: far past ours, so that its watchdog (which may end the
 process) never fires first; we abort the communicator on our deadlines instead."""
 POLL_S = 0.0002
+SPIN_S = 0.001
 
 
 def _wait(work, deadline: float, cuda: bool) -> None:
-    """Wait for a send/recv until ``deadline``; raises on failure or timeout."""
+    """Wait for a send/recv until ``deadline``; raises on failure or timeout. On CUDA it spins for
+    SPIN_S, yielding the GIL at every turn (``sleep(0)``: the engine thread on this node slows by
+    about a fifth meanwhile), then polls every POLL_S: sleeping from the start would add up to a
+    sleep's granularity to every short transfer."""
     if cuda:
+        spin_until = time.monotonic() + SPIN_S
         while not work.is_completed():
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 raise TimeoutError("timed out")
-            time.sleep(POLL_S)
+            time.sleep(0 if now < spin_until else POLL_S)
         work.wait()  # the current stream waits for NCCL's; raises if the op failed
         return
     left = deadline - time.monotonic()
@@ -514,24 +527,41 @@ class NcclSession(SenderSession):
         self.group = group
         self._seq = itertools.count(1)
 
-    def deliver(self, request_id: str, staged: Staged, dst_block_ids: list[int], deadline: float) -> None:
+    def deliver(
+        self, request_id: str, staged: Staged, dst_block_ids: list[int], deadline: float
+    ) -> Callable[[float], None]:
+        """Post every send and return: the decode node's pair thread takes the commit after the
+        recvs, so the commit may go out now; the returned function waits for the sends."""
         plane = self.plane
-        cuda = plane.kv.is_cuda
-        try:
-            if cuda:
+        with self._errors():
+            if plane.kv.is_cuda:
                 with torch.cuda.device(plane.kv.device), torch.cuda.stream(plane.stream):
                     works = self._post(request_id, staged, dst_block_ids, deadline)
-                    for work in works:
-                        _wait(work, deadline, cuda)
             else:
                 works = self._post(request_id, staged, dst_block_ids, deadline)
-                for work in works:
-                    _wait(work, deadline, cuda)
+
+        def finish(until: float) -> None:
+            with self._errors():
+                if plane.kv.is_cuda:
+                    with torch.cuda.device(plane.kv.device), torch.cuda.stream(plane.stream):
+                        for work in works:
+                            _wait(work, until, True)
+                else:
+                    for work in works:
+                        _wait(work, until, False)
+
+        return finish
+
+    @contextlib.contextmanager
+    def _errors(self):
+        """Any failure as a KVTransferError that names the peer."""
+        try:
+            yield
         except KVTransferError:
             raise
+        except TimeoutError as e:
+            raise KVTransferError(f"no reply from KV peer {self.peer.address} in time (nccl send)") from e
         except Exception as e:
-            if isinstance(e, TimeoutError):
-                raise KVTransferError(f"no reply from KV peer {self.peer.address} in time (nccl send)") from e
             raise KVTransferError(f"nccl send to KV peer {self.peer.address} failed: {e}") from e
 
     def _post(self, request_id: str, staged: Staged, dst_block_ids: list[int], deadline: float) -> list:

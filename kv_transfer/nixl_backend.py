@@ -26,19 +26,24 @@ Per send (control messages in ``kv_transfer/wire.py`` on the zmq control connect
 
 1. prefill: wait for the kernels that wrote the blocks (CUDA: an event recorded by ``send``);
 2. prefill -> decode ``KVReady`` (request id, transfer id, source and destination block ids);
-3. decode: validate, pin, one READ of every layer of those blocks, poll until done, failed or
-   past its deadline (then cancel), unpin;
-4. decode -> prefill a NIXL notification ``KVReadDone`` with the request and transfer ids (and
-   the error, if any): the send is over;
+3. decode, on the receiver's control thread as the message arrives: validate, pin, start one
+   READ of every layer of those blocks; the control loop then polls it until done, failed or
+   past its deadline (then cancelled), and unpins it;
+4. decode -> prefill ``KVReadDone`` on the control connection, with the request and transfer ids
+   (and the error, if any): the send is over;
 5. with a commit, it goes on the control connection next and is acked once the lease table
    found every block of the reservation landed.
 
-Agent metadata is exchanged inside ``KVSetup``/``KVSetupReply`` on the authenticated control
-connection, whose handshake is resent until the listener answers, rather than through NIXL's
-own listener. UCX reads ``UCX_TLS`` and ``UCX_NET_DEVICES`` from the environment;
-``ucx_net_devices`` (NIXL's ``ucx_devices`` parameter) and ``ucx_tls`` set them per node.
-Agents run without NIXL's progress thread (idle, it costs ~40% of a core here): the threads
-that wait on transfers and notifications progress UCX as they poll.
+Everything between the two nodes but the bytes themselves travels on the zmq control connection:
+no thread hand-off on the decode node, and the prefill node's sender wakes on the reply rather
+than polling for a NIXL notification. Agent metadata is exchanged inside ``KVSetup``/
+``KVSetupReply`` on that authenticated connection, whose handshake is resent until the listener
+answers, rather than through NIXL's own listener. UCX reads ``UCX_TLS`` and ``UCX_NET_DEVICES``
+from the environment; ``ucx_net_devices`` (NIXL's ``ucx_devices`` parameter) and ``ucx_tls`` set
+them per node. Agents run without NIXL's progress thread (idle, it costs ~40% of a core here): the
+decode node progresses UCX while its READs run (the control loop polls them), the prefill node
+every millisecond while it waits for a READ's end (transports that need the target's help, such as
+TCP, and a first connection's wire-up).
 """
 
 from __future__ import annotations
@@ -48,7 +53,6 @@ import itertools
 import logging
 import math
 import os
-import queue
 import threading
 import time
 from collections.abc import Sequence
@@ -58,7 +62,7 @@ import numpy as np
 import torch
 
 from kv_transfer.base import (
-    KVTransferError,
+    KVRefused,
     ReceiverPlane,
     ReservationTable,
     SenderPlane,
@@ -71,7 +75,7 @@ from kv_transfer.base import (
 )
 from kv_transfer.wire import KVReadDone, KVReady, KVSetup, KVSetupReply
 from kv_transfer.zmq_backend import valid_block_ids
-from pdserve.messages import decode, encode
+from pdserve.messages import encode
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +106,11 @@ def _agent(role: str, ucx_net_devices: str, ucx_tls: str):
 
     if ucx_tls:
         os.environ["UCX_TLS"] = ucx_tls  # UCX reads it when the backend starts, just below
+    # UCX leaves CUDA IPC READs (get_zcopy) off where it finds no NVLink ("auto"): on PCIe-only
+    # hosts, and between two processes on one GPU, VRAM READs then crawl through a staging
+    # pipeline (0.5 GB/s measured on one H100, where a WRITE took 780 GB/s). The decode node
+    # READs, so turn them on unless the operator chose otherwise.
+    os.environ.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "on")
     config = nixl_agent_config(
         enable_prog_thread=False, backends=[], sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
     )
@@ -149,7 +158,7 @@ class _Remote:
 @dataclass
 class _Read:
     handle: object
-    remote: _Remote
+    peer: bytes  # the sender's control connection, where the KVReadDone goes
     msg: KVReady
     deadline: float
     nbytes: int
@@ -157,6 +166,11 @@ class _Read:
 
 
 class NixlReceiverPlane(ReceiverPlane):
+    """Runs on the receiver's control thread (with the cache's device current): a KVReady starts
+    its READ at once (``handle``), and every turn of the control loop checks the READs in flight
+    (``poll``), so a READ's end is answered without a thread hand-off. While READs run, the
+    control loop spins; that is also what progresses UCX (no progress thread)."""
+
     name = "nixl"
 
     def __init__(self, ucx_net_devices: str = "", ucx_tls: str = "") -> None:
@@ -165,21 +179,15 @@ class NixlReceiverPlane(ReceiverPlane):
         self.ucx_tls = ucx_tls
         self._remotes: dict[str, _Remote] = {}  # sender agent -> its cache (kept across reconnects)
         self._sessions: dict[bytes, _Remote] = {}
-        self._lock = threading.Lock()
-        self._jobs: queue.Queue = queue.Queue()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._progress_until = 0.0
+        self._inflight: list[_Read] = []
 
     def start(self, kv: torch.Tensor, table: ReservationTable, outbox, on_commit, host: str) -> None:
-        self.kv, self.table = kv, table
+        self.kv, self.table, self.outbox = kv, table, outbox
         self.num_layers, self.num_blocks = kv.shape[0], kv.shape[1]
         self.slab_bytes = slab_bytes(kv)
         with _on_device(kv):
             self.agent = _agent("decode", self.ucx_net_devices, self.ucx_tls)
             self._registered = self.agent.register_memory(kv)  # the whole cache, once
-        self._thread = threading.Thread(target=self._run, name="kv-nixl-reader", daemon=True)
-        self._thread.start()
 
     def setup(self, peer: bytes, msg: KVSetup) -> KVSetupReply:
         address, num_layers, num_blocks, slab, device = msg.nixl_cache
@@ -194,83 +202,45 @@ class NixlReceiverPlane(ReceiverPlane):
                 f"block slabs, this node's {self.num_layers} of {self.slab_bytes}"
             )
             return KVSetupReply(ok=False, error=error)
-        with self._lock:
-            remote = self._remotes.get(msg.nixl_agent)
-            if remote is None:
-                name = self.agent.add_remote_agent(msg.nixl_metadata)
-                name = name.decode() if isinstance(name, bytes) else name
-                remote = _Remote(name, address, num_blocks, device, msg.nixl_mem)
-                self._remotes[msg.nixl_agent] = remote
-                self.agent.make_connection(name)  # now, rather than at the first READ
-            self._sessions[peer] = remote
+        remote = self._remotes.get(msg.nixl_agent)
+        if remote is None:
+            name = self.agent.add_remote_agent(msg.nixl_metadata)
+            name = name.decode() if isinstance(name, bytes) else name
+            remote = _Remote(name, address, num_blocks, device, msg.nixl_mem)
+            self._remotes[msg.nixl_agent] = remote
+            self.agent.make_connection(name)  # now, rather than at the first READ
+        self._sessions[peer] = remote
         metadata = self.agent.get_agent_metadata()
         return KVSetupReply(ok=True, transport="nixl", nixl_agent=self.agent.name, nixl_metadata=metadata)
 
     def handle(self, peer: bytes, msg: KVReady) -> None:
-        with self._lock:
-            remote = self._sessions.get(peer)
-        self._jobs.put((remote, msg))
-
-    def drop(self, peer: bytes) -> None:
-        with self._lock:
-            self._sessions.pop(peer, None)
-
-    def close(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=MAX_READ_S)
-
-    # -- reader thread ---------------------------------------------------------------------------
-
-    def _run(self) -> None:
-        with _on_device(self.kv):
-            self._serve()
-
-    def _serve(self) -> None:
-        inflight: list[_Read] = []
-        while not self._stop.is_set():
-            # Without a progress thread, notifications leave only while UCX is progressed: keep
-            # doing so for a while after sending one (a first one may wait for its connection).
-            # While a notification may be on its way out, progress UCX every POLL_S: a blocking
-            # wait here holds the peer's completion back by as long as it waits.
-            idle_wait = POLL_S if time.monotonic() < self._progress_until else 0.1
-            try:
-                while True:
-                    job = self._jobs.get(timeout=idle_wait) if not inflight else self._jobs.get_nowait()
-                    self._start_safely(*job, inflight)
-                    if not inflight:
-                        break
-            except queue.Empty:
-                pass
-            if not inflight and time.monotonic() < self._progress_until:
-                try:
-                    self.agent.get_new_notifs()  # progresses UCX; nothing is expected from senders
-                except Exception as e:
-                    logger.warning("progressing NIXL failed: %s", e)
-            for read in list(inflight):
-                if self._poll_safely(read):
-                    inflight.remove(read)
-            if inflight:
-                # Progress UCX as often as it can take it while READs run: a large READ moves in
-                # fragments that each wait for a progress call (sleeping between polls halved
-                # the throughput of a 1 GiB READ on 2xH200). sleep(0) still yields the GIL.
-                time.sleep(0)
-        while inflight:  # shutting down: cancel what is left, and unpin it
-            for read in list(inflight):
-                read.deadline = 0.0
-                if self._poll_safely(read):
-                    inflight.remove(read)
-            time.sleep(POLL_S)
-
-    def _start_safely(self, remote: _Remote | None, msg: KVReady, inflight: list[_Read]) -> None:
-        """``_start``, and nothing a peer sent may stop the reader thread."""
         try:
-            self._start(remote, msg, inflight)
-        except Exception:
+            self._start(peer, self._sessions.get(peer), msg)
+        except Exception:  # nothing a peer sends may stop the control thread
             logger.exception("KVReady for %r could not be handled", getattr(msg, "request_id", "?"))
 
+    def poll(self) -> bool:
+        if self._inflight:
+            self._inflight = [read for read in self._inflight if not self._poll_safely(read)]
+        return bool(self._inflight)
+
+    def drop(self, peer: bytes) -> None:
+        self._sessions.pop(peer, None)  # its READs in flight run on to their end or deadline
+
+    def close(self) -> None:
+        """After the control thread stopped: cancel what is left, and unpin it."""
+        self.outbox = None  # the control connection is gone: nobody to answer
+        for read in self._inflight:
+            read.deadline = 0.0
+        give_up = time.monotonic() + MAX_READ_S
+        with _on_device(self.kv):
+            while self.poll() and time.monotonic() < give_up:
+                time.sleep(POLL_S)
+
+    # -- on the control thread ---------------------------------------------------------------------
+
     def _poll_safely(self, read: _Read) -> bool:
-        """``_poll``, and nothing may stop the reader thread. A READ whose state cannot be read stays
+        """``_poll``, and nothing may stop the control thread. A READ whose state cannot be read stays
         pinned until its deadline and then ends as failed once its cancel went through, never
         before: bytes may still be landing in the reserved blocks."""
         try:
@@ -289,7 +259,7 @@ class NixlReceiverPlane(ReceiverPlane):
             self.table.end(
                 msg.request_id, msg.dst_block_ids, msg.layer_start, msg.layer_end, f"NIXL READ failed: {e}"
             )
-            self._notify(read.remote, msg, "NIXL READ failed")
+            self._reply(read.peer, msg, "NIXL READ failed")
             return True
 
     def _refusal(self, remote: _Remote | None, msg: KVReady) -> str:
@@ -309,12 +279,12 @@ class NixlReceiverPlane(ReceiverPlane):
             return f"KVReady names layers [{msg.layer_start}, {msg.layer_end}) of {self.num_layers}"
         return self.table.begin(msg.request_id, msg.dst_block_ids, msg.layer_start, msg.layer_end)
 
-    def _start(self, remote: _Remote | None, msg: KVReady, inflight: list[_Read]) -> None:
+    def _start(self, peer: bytes, remote: _Remote | None, msg: KVReady) -> None:
         error = self._refusal(remote, msg)
         if error:
             logger.warning("refusing a NIXL READ for %r: %s", msg.request_id[:64], error)
             self.table.fail(msg.request_id, error)
-            self._notify(remote, msg, error)
+            self._reply(peer, msg, error)
             return
         try:  # pinned from here: every way out ends the pin
             src, dst, lengths = coalesce(
@@ -339,10 +309,10 @@ class NixlReceiverPlane(ReceiverPlane):
         except Exception as e:
             error = f"NIXL READ could not start: {e}"
             self.table.end(msg.request_id, msg.dst_block_ids, msg.layer_start, msg.layer_end, error)
-            self._notify(remote, msg, error)
+            self._reply(peer, msg, error)
             return
         deadline = time.monotonic() + min(max(msg.timeout_s, 0.0), MAX_READ_S)
-        inflight.append(_Read(handle, remote, msg, deadline, int(lengths.sum())))
+        self._inflight.append(_Read(handle, peer, msg, deadline, int(lengths.sum())))
 
     def _poll(self, read: _Read) -> bool:
         """Check one READ; True once it is over (and unpinned)."""
@@ -362,17 +332,13 @@ class NixlReceiverPlane(ReceiverPlane):
         self.table.end(msg.request_id, msg.dst_block_ids, msg.layer_start, msg.layer_end, error)
         if not error:
             self.bytes_received += read.nbytes
-        self._notify(read.remote, msg, error)
+        self._reply(read.peer, msg, error)
         return True
 
-    def _notify(self, remote: _Remote | None, msg: KVReady, error: str) -> None:
-        if remote is None:
-            return
-        self._progress_until = time.monotonic() + 2.0
-        try:
-            self.agent.send_notif(remote.agent, encode(KVReadDone(msg.request_id, msg.xfer_id, error)))
-        except Exception as e:  # the sender went away; it times out on its own
-            logger.warning("cannot notify NIXL peer %s: %s", remote.agent, e)
+    def _reply(self, peer: bytes, msg: KVReady, error: str) -> None:
+        """Tell the sender the READ is over: it may reuse the source blocks from now on."""
+        if self.outbox is not None:
+            self.outbox.put(peer, KVReadDone(msg.request_id, msg.xfer_id, error))
 
 
 # -- prefill side --------------------------------------------------------------------------------
@@ -385,8 +351,7 @@ class NixlSenderPlane(SenderPlane):
         self.ucx_net_devices = ucx_net_devices
         self.ucx_tls = ucx_tls
         self._xfer_ids = itertools.count(1)
-        self._notifs: dict[str, dict[int, str]] = {}  # peer agent -> transfer id -> error ("" = done)
-        self._notif_lock = threading.Lock()
+        self._lock = threading.Lock()  # peer threads connect concurrently
         self._remotes: set[str] = set()
 
     def register(self, kv: torch.Tensor) -> None:
@@ -414,37 +379,27 @@ class NixlSenderPlane(SenderPlane):
         return in_place(kv, block_ids, layer_events)  # the peer reads them out of the registered cache
 
     def connect(self, peer, setup: KVSetup, reply: KVSetupReply, deadline: float) -> NixlSession:
-        with self._notif_lock:
+        with self._lock:
             if reply.nixl_agent not in self._remotes:
                 self.agent.add_remote_agent(reply.nixl_metadata)
                 self._remotes.add(reply.nixl_agent)
-        return NixlSession(self, peer, reply.nixl_agent)
+        return NixlSession(self, peer)
 
-    def take_notifs(self, agent: str) -> dict[int, str]:
-        """Transfer id -> error of the READs ``agent`` reported over since the last call."""
-        with self._notif_lock:
-            for name, messages in self.agent.get_new_notifs().items():
-                box = self._notifs.setdefault(name, {})
-                for raw in messages:
-                    try:
-                        done = decode(raw, KVReadDone)
-                    except Exception:
-                        logger.warning("dropping a malformed NIXL notification from %s", name)
-                        continue
-                    box[done.xfer_id] = done.error
-            return self._notifs.pop(agent, {})
+    def progress(self) -> None:
+        """Progress UCX here, for transports whose READs need the target's help (TCP; not CUDA IPC,
+        RDMA or CMA), and for a first connection's wire-up."""
+        self.agent.get_new_notifs()
 
 
 class NixlSession(SenderSession):
-    def __init__(self, plane: NixlSenderPlane, peer, agent: str) -> None:
+    def __init__(self, plane: NixlSenderPlane, peer) -> None:
         self.plane = plane
         self.peer = peer
-        self.agent = agent
 
     def deliver(self, request_id: str, staged: Staged, dst_block_ids: list[int], deadline: float) -> None:
         """Offer the blocks for READs, a chunk of layers as soon as the kernels that wrote it are
         done (all layers at once without per-layer events); returns once the peer reported every
-        READ over (raises if one failed)."""
+        READ over (``KVReadDone`` on the control connection; raises if one failed)."""
         kv, src = self.plane.kv, list(staged.block_ids)
         if len(staged.ready) > 1:
             chunks = layer_chunks(kv.shape[0], len(src) * slab_bytes(kv), LAYER_CHUNK_BYTES)
@@ -460,15 +415,12 @@ class NixlSession(SenderSession):
             )
             pending.add(xfer_id)
         while pending:
-            done = self.plane.take_notifs(self.agent)
-            for xfer_id in pending & done.keys():  # others are late reports of transfers given up
-                if done[xfer_id]:
-                    raise KVTransferError(f"KV peer {self.peer.address} refused a NIXL READ: {done[xfer_id]}")
-                pending.discard(xfer_id)
-            if pending and time.monotonic() > deadline:
-                raise KVTransferError(f"no reply from KV peer {self.peer.address} in time (NIXL READ)")
-            if pending:
-                time.sleep(POLL_S)
+            done = self.peer.recv(deadline, KVReadDone, idle=self.plane.progress)
+            if done.xfer_id not in pending:  # a late report of a transfer given up
+                continue
+            if done.error:  # other READs of this send may still run: their late replies are skipped
+                raise KVRefused(f"KV peer {self.peer.address} refused a NIXL READ: {done.error}")
+            pending.discard(done.xfer_id)
 
     def close(self) -> None:
         pass

@@ -41,8 +41,8 @@ class KVReady(Message):
     may be read now.
 
     The receiver READs (layer, ``src_block_ids[i]``) into its (layer, ``dst_block_ids[i]``) for
-    each of those layers, in place, and answers with a ``KVReadDone`` notification through NIXL
-    carrying ``xfer_id``; until then the sender keeps those blocks unchanged.
+    each of those layers, in place, and answers ``KVReadDone`` carrying ``xfer_id``; until then the
+    sender keeps those blocks unchanged.
     """
 
     request_id: str
@@ -55,7 +55,8 @@ class KVReady(Message):
 
 
 class KVReadDone(Message):
-    """NIXL notification receiver -> sender: the READ of ``xfer_id`` finished (or failed: ``error``)."""
+    """NIXL, receiver -> sender on the control connection: the READ of ``xfer_id`` is over (or was
+    refused, or failed: ``error``); the sender may reuse the source blocks from now on."""
 
     request_id: str
     xfer_id: int

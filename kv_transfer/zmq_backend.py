@@ -55,6 +55,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from kv_transfer.base import (
     KVReceiver,
+    KVRefused,
     KVSender,
     KVTransferError,
     ReceiverPlane,
@@ -64,7 +65,7 @@ from kv_transfer.base import (
     Staged,
     check_compatible,
 )
-from kv_transfer.wire import KVReady, KVSend, KVSetup, KVSetupReply
+from kv_transfer.wire import KVReadDone, KVReady, KVSend, KVSetup, KVSetupReply
 from pdserve.messages import (
     KVAck,
     KVBlocks,
@@ -85,9 +86,12 @@ RECEIVE_HWM = 16
 """Messages a receiver queues per connection before TCP pushes back: bounds what one peer, even
 one that never passes the handshake, can make the node hold (RECEIVE_HWM * MAX_FRAME_BYTES)."""
 HANDSHAKE_RESEND_S = 1.0
+REFUSED_DRAIN_S = 1.0
+"""After a refused commit, how long the sender waits for its data to finish leaving before it
+takes the connection for broken (the peer drains data before it answers the commit)."""
 
 _REQUESTS = KVHandshake | KVSetup | KVBlocks | KVReady | KVSend | KVCommit | KVRenew
-_REPLIES = KVHandshakeReply | KVSetupReply | KVAck
+_REPLIES = KVHandshakeReply | KVSetupReply | KVAck | KVReadDone
 _instances = itertools.count()
 
 
@@ -139,21 +143,32 @@ def _frame_layers(num_layers: int, bytes_per_layer: int) -> list[tuple[int, int]
 
 
 class Outbox:
-    """Lets data-plane threads reply on the control connection: the receiver's control thread
-    alone owns the ROUTER socket and forwards what arrives here."""
+    """Lets data planes reply on the control connection: the receiver's control thread alone owns
+    the ROUTER socket and sends what it is given here; other threads' replies reach it through an
+    inproc socket it forwards from."""
 
     def __init__(self, ctx: zmq.Context, address: str) -> None:
         self._sock = ctx.socket(zmq.PUSH)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.connect(address)
         self._lock = threading.Lock()
+        self._router = None
+        self._owner = 0
+
+    def own(self, router) -> None:
+        """Called by the control thread: its own replies go straight out on ``router``."""
+        self._router, self._owner = router, threading.get_ident()
 
     def put(self, peer: bytes, msg) -> None:
+        if self._router is not None and threading.get_ident() == self._owner:
+            self._router.send_multipart([peer, encode(msg)])
+            return
         with self._lock:
             self._sock.send_multipart([peer, encode(msg)])
 
     def close(self) -> None:
         with self._lock:
+            self._router = None
             self._sock.close(linger=0)
 
 
@@ -234,6 +249,9 @@ class ZmqReceiver(KVReceiver):
     def _serve(self, sock, pull, info: NodeInfo, table: ReservationTable, on_commit) -> None:
         # Connections accepted and closed: per-connection state must not outlive its connection.
         monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        self._outbox.own(sock)
+        if self.kv.is_cuda:  # planes work on the cache from this thread (NIXL asks about pointers)
+            torch.cuda.set_device(self.kv.device)
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(pull, zmq.POLLIN)
@@ -253,7 +271,14 @@ class ZmqReceiver(KVReceiver):
             sock.close(linger=0)
 
     def _serve_once(self, poller, sock, pull, monitor, info, table, on_commit) -> None:
-        events = dict(poller.poll(100))
+        busy = False
+        for plane in self.planes.values():
+            busy |= plane.poll()
+        if busy:
+            # Turn again at once, but yield the GIL first: a spin on poll(0) alone would take it
+            # back before the engine thread gets a turn (measured: 4x slower small Python work).
+            time.sleep(0)
+        events = dict(poller.poll(0 if busy else 100))
         if pull in events:
             while True:
                 try:
@@ -309,6 +334,8 @@ class ZmqReceiver(KVReceiver):
             return KVAck(request_id=rid, ok=False, error=why)
         if isinstance(msg, KVSetup):
             return KVSetupReply(ok=False, error=why)
+        if isinstance(msg, KVReady):
+            return KVReadDone(request_id=rid, xfer_id=msg.xfer_id, error=why)
         return None
 
     def _handle(self, peer: bytes, frames, info: NodeInfo, table: ReservationTable, on_commit):
@@ -498,23 +525,29 @@ class _Peer:
             try:
                 job.future.set_result(self._do(job))
             except Exception as e:
-                # A timeout or broken peer leaves the connection in an unknown state: start afresh.
                 # The request is never committed from here on (its source blocks may be reused).
                 if job.request_id:
                     self.failed[job.request_id] = None
                     while len(self.failed) > self.FAILED_MEMORY:
                         self.failed.popitem(last=False)
-                self._close_socket()
+                # A refusal leaves the connection as it was (a new NCCL communicator costs a second
+                # on GPUs); a timeout or broken peer leaves it in an unknown state: start afresh.
+                if not isinstance(e, KVRefused):
+                    self._close_socket()
                 job.future.set_exception(e if isinstance(e, KVTransferError) else KVTransferError(str(e)))
 
-    def recv(self, deadline: float, kind, resend: list | None = None):
-        """The next reply of type ``kind`` (for KVAck: of the request awaited); stale replies are skipped."""
+    def recv(self, deadline: float, kind, resend: list | None = None, idle: Callable[[], None] | None = None):
+        """The next reply of type ``kind`` (for KVAck: of the request awaited); stale replies are
+        skipped. ``resend`` goes out again every HANDSHAKE_RESEND_S without an answer; ``idle`` (a
+        data plane's progress call) runs every millisecond without one."""
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise KVTransferError(f"no reply from KV peer {self.address} in time")
             wait = min(left, HANDSHAKE_RESEND_S) if resend else left
-            if not self.sock.poll(int(wait * 1000) + 1):
+            if not self.sock.poll(1 if idle is not None else int(wait * 1000) + 1):
+                if idle is not None:
+                    idle()
                 if resend and time.monotonic() < deadline:
                     self.send(resend, deadline)
                 continue
@@ -572,18 +605,27 @@ class _Peer:
         rid = job.request_id
         if rid in self.failed:
             raise KVTransferError(f"an earlier part of request {rid}'s KV failed; it cannot be committed")
+        finish = None  # waits for data still leaving (planes whose peer queues the commit behind it)
         if job.dst_block_ids:
             if self.session is not None:
-                self.session.deliver(rid, staged, job.dst_block_ids, deadline)
+                finish = self.session.deliver(rid, staged, job.dst_block_ids, deadline)
             else:
                 self._send_frames(rid, staged, job.dst_block_ids, deadline)
         if job.commit is None:
+            if finish is not None:
+                finish(deadline)
             return None
         self._waiting_for = rid
         self.send([encode(job.commit)], deadline)
         ack = self.recv(deadline, KVAck)
         if not ack.ok:
-            raise KVTransferError(f"KV peer {self.address} refused request {rid}: {ack.error}")
+            # The peer took the data before it answered, so it has left here or is about to; if
+            # it is stuck (the peer broke its side), this raises and the session is closed.
+            if finish is not None:
+                finish(min(deadline, time.monotonic() + REFUSED_DRAIN_S))
+            raise KVRefused(f"KV peer {self.address} refused request {rid}: {ack.error}")
+        if finish is not None:
+            finish(deadline)
         return ack
 
     def _send_frames(self, rid: str, staged: Staged, dst_block_ids: list[int], deadline: float) -> None:
@@ -624,6 +666,7 @@ class ZmqSender(KVSender):
     def register_kv_cache(self, kv_cache: torch.Tensor) -> None:
         assert kv_cache.dim() == 6 and kv_cache.is_contiguous(), "kv_cache must be [L, NB, 2, BS, Hkv, D]"
         self.kv = kv_cache
+        self._bytes_per_block = kv_cache[:, 0].numel() * kv_cache.element_size()
         for plane in self.planes.values():
             plane.register(kv_cache)
 
@@ -666,7 +709,7 @@ class ZmqSender(KVSender):
             # agreed on later moves it, or, reading in place, the blocks themselves)
             idx = torch.tensor(list(src_block_ids), dtype=torch.long, device=self.kv.device)
             staged = Staged(self.kv.index_select(1, idx).cpu(), list(src_block_ids))
-        self.bytes_sent += len(src_block_ids) * self.kv[:, 0].numel() * self.kv.element_size()
+        self.bytes_sent += len(src_block_ids) * self._bytes_per_block
         fut: Future = Future()
         peer.jobs.put(_Job(info, request_id, staged, list(dst_block_ids), commit, timeout, fut))
         return fut

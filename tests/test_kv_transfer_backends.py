@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import kv_transfer
-from kv_transfer import KVTransferError, ReservationTable
+from kv_transfer import KVRefused, KVTransferError, ReservationTable
 from pdserve.messages import KVCommit, NodeInfo
 
 L, NB, BS, H, D = 3, 16, 4, 2, 8
@@ -148,6 +148,24 @@ def test_unreserved_blocks_and_expired_leases_are_refused(pair):
         _send(sender, r.address, "r3", [0], [4]).result()
     assert r.dst.abs().sum() == 0 and r.commits == []
     assert r.table.expired() == ["r3"]
+
+
+def test_a_refusal_keeps_the_connection(pair):
+    """A request the peer refuses (here: nothing reserved for it) fails alone: the connection and
+    its data-plane session stay up (a new NCCL communicator costs a second on GPUs), and the
+    next request goes through on them."""
+    src, r, sender = pair
+    r.table.add("ok-1", [1, 2], time.time() + 10)
+    assert _send(sender, r.address, "ok-1", [0, 1], [1, 2]).result().ok
+    peer = sender._peers[r.address]
+    sock, session = peer.sock, peer.session
+    with pytest.raises(KVRefused):
+        _send(sender, r.address, "nobody", [2, 3], [3, 4]).result()
+    r.table.add("ok-2", [5, 6], time.time() + 10)
+    assert _send(sender, r.address, "ok-2", [4, 5], [5, 6]).result().ok
+    assert peer.sock is sock and peer.session is session
+    assert torch.equal(r.dst[:, [1, 2, 5, 6]], src[:, [0, 1, 4, 5]]) and r.dst[:, [3, 4]].abs().sum() == 0
+    assert [c.request_id for c in r.commits] == ["ok-1", "ok-2"]
 
 
 def test_released_reservation_takes_no_writes(pair):

@@ -88,6 +88,20 @@ def test_non_contiguous_ids_and_caches_of_different_sizes():
 
 
 @nixl_only
+def test_cuda_ipc_reads_are_turned_on_unless_the_operator_chose(monkeypatch):
+    """UCX leaves CUDA IPC READs off without NVLink (one GPU, PCIe): the agents turn them on, since
+    the decode node READs, but an operator's own UCX_CUDA_IPC_ENABLE_GET_ZCOPY stands."""
+    from kv_transfer.nixl_backend import _agent
+
+    monkeypatch.delenv("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", raising=False)
+    _agent("test", "", "")
+    assert os.environ["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] == "on"
+    monkeypatch.setenv("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "off")
+    _agent("test", "", "")
+    assert os.environ["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] == "off"
+
+
+@nixl_only
 def test_many_blocks_in_one_read():
     pair = Pair(SMALL, src_blocks=4096, dst_blocks=4096)
     try:
