@@ -7,7 +7,9 @@ offers one), and, as anchors measured in the same run, through
 
 * raw NCCL ``send``/``recv`` of one contiguous tensor (``init_process_group``; gloo on the CPU),
 * a raw NIXL READ of one contiguous registered region (pdserve's nixl backend READs the blocks
-  in place, one descriptor per run of blocks contiguous in both caches),
+  in place, one descriptor per run of blocks contiguous in both caches), the same region READ in
+  2 MiB descriptors (a 32-block run of one layer of Llama-3-8B), and a raw NIXL WRITE of it by the
+  sending process (which pdserve does not do: the decode node could not stop it),
 * one plain TCP connection into a preallocated buffer (CPU).
 
 On a 2-GPU host (sender on cuda:0, receiver on cuda:1; Llama-3-8B's KV shape in bf16)::
@@ -17,6 +19,10 @@ On a 2-GPU host (sender on cuda:0, receiver on cuda:1; Llama-3-8B's KV shape in 
 writes ``docs/benchmarks/kv_transfer_gpu.json``. On the CPU (SmolLM2-135M's shape in float32;
 nccl runs on gloo): ``--device cpu`` (``docs/benchmarks/kv_transfer_cpu.json``), or
 ``--dry-run`` for a quick smoke test of every path (small sizes, output to a temp file).
+
+On a one-GPU host, ``--device cuda --same-gpu`` puts both processes on cuda:0: nixl only (NCCL
+refuses two ranks on one GPU), against a device copy and raw NIXL READ/WRITE between the two
+processes. It measures what the protocol costs on a GPU host's CPU, not a link.
 """
 
 from __future__ import annotations
@@ -74,6 +80,22 @@ def _nixl_agent(name: str):
     from nixl._api import nixl_agent, nixl_agent_config
 
     return nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+
+
+def _pieces(address: int, nbytes: int, piece: int, device: int) -> list[tuple[int, int, int]]:
+    """NIXL descriptors covering ``nbytes`` at ``address`` in pieces of ``piece`` bytes (0: one)."""
+    piece = piece or nbytes
+    return [(address + o, min(piece, nbytes - o), device) for o in range(0, nbytes, piece)]
+
+
+def _nixl_run(agent, op: str, local, remote, remote_name: str) -> str:
+    """One NIXL transfer, polled to its end; its final state."""
+    handle = agent.initialize_xfer(op, local, remote, remote_name)
+    state = agent.transfer(handle)
+    while state == "PROC":
+        state = agent.check_xfer_state(handle)
+    handle.release()
+    return state
 
 
 # -- receiver process ------------------------------------------------------------------------------
@@ -143,18 +165,16 @@ def _receiver(
             nixl.register_memory(buf)
             remote_name = nixl.add_remote_agent(metadata)
             mem = "VRAM" if device.startswith("cuda") else "DRAM"
-            conn.send(nixl.get_agent_metadata())
+            conn.send((nixl.get_agent_metadata(), buf.data_ptr(), max(buf.get_device(), 0)))
             nixl_remote = (remote_name, address_remote, dev, mem)
         elif kind == "raw_nixl":
+            nbytes, piece = arg
             remote_name, address_remote, dev, mem = nixl_remote
-            local = nixl.get_xfer_descs([(buf.data_ptr(), arg, max(buf.get_device(), 0))], mem)
-            remote = nixl.get_xfer_descs([(address_remote, arg, dev)], mem)
-            handle = nixl.initialize_xfer("READ", local, remote, remote_name)
-            state = nixl.transfer(handle)
-            while state == "PROC":
-                state = nixl.check_xfer_state(handle)
-            handle.release()
-            conn.send(state)
+            local = nixl.get_xfer_descs(_pieces(buf.data_ptr(), nbytes, piece, max(buf.get_device(), 0)), mem)
+            remote = nixl.get_xfer_descs(_pieces(address_remote, nbytes, piece, dev), mem)
+            conn.send(_nixl_run(nixl, "READ", local, remote, remote_name))
+        elif kind == "ping":
+            conn.send("pong")
     receiver.close()
 
 
@@ -202,17 +222,19 @@ def run(args: argparse.Namespace) -> dict:
 
     cuda = args.device == "cuda"
     load_average = os.getloadavg()[0]  # other work on the machine moves CPU figures
-    if cuda and torch.cuda.device_count() < 2:
-        raise SystemExit("--device cuda needs two GPUs (sender on cuda:0, receiver on cuda:1)")
-    send_dev, recv_dev = ("cuda:0", "cuda:1") if cuda else ("cpu", "cpu")
+    if cuda and not args.same_gpu and torch.cuda.device_count() < 2:
+        raise SystemExit("--device cuda needs two GPUs (sender on cuda:0, receiver on cuda:1), or --same-gpu")
+    send_dev, recv_dev = ("cuda:0", "cuda:0" if args.same_gpu else "cuda:1") if cuda else ("cpu", "cpu")
+    if args.same_gpu and (not cuda or "nccl" in (args.transports or "") or "nccl" in (args.anchors or "")):
+        raise SystemExit("--same-gpu is for --device cuda without nccl (NCCL refuses two ranks on one GPU)")
     shape = SHAPES[args.shape or ("llama-3-8b" if cuda else "smollm2-135m")]
     sizes = [int(s) for s in (args.sizes_mib or ("4,16" if args.dry_run else "16,64,256,1024")).split(",")]
     repeats = 1 if args.dry_run else args.repeats
-    default = "nixl,nccl" if cuda else "nixl,nccl,zmq"
+    default = "nixl" if args.same_gpu else "nixl,nccl" if cuda else "nixl,nccl,zmq"
     transports = [
         t for t in (args.transports or default).split(",") if t in kv_transfer.available_transports()
     ]
-    anchors = args.anchors or ("nccl,nixl" if cuda else "tcp,nixl,nccl")
+    anchors = args.anchors or ("copy,nixl" if args.same_gpu else "nccl,nixl" if cuda else "tcp,nixl,nccl")
     block_bytes = _bytes_per_block(shape)
     max_blocks = max(-(-s * (1 << 20) // block_bytes) for s in sizes)
     max_bytes = max_blocks * block_bytes
@@ -249,7 +271,9 @@ def run(args: argparse.Namespace) -> dict:
         reply = remote.call(
             "nixl_init", (agent.get_agent_metadata(), flat.data_ptr(), max(flat.get_device(), 0))
         )
-        agent.add_remote_agent(reply)
+        receiver_metadata, receiver_address, receiver_device = reply
+        receiver_name = agent.add_remote_agent(receiver_metadata)
+        mem = "VRAM" if cuda else "DRAM"
 
     rows = []
     for size in sizes:
@@ -285,12 +309,36 @@ def run(args: argparse.Namespace) -> dict:
                 times.append(time.perf_counter() - start)
             row[f"raw_{'nccl' if cuda else 'gloo'}_gb_s"] = nbytes / _median(times[1:]) / 1e9
         if nixl_anchor:
+            # READ by the receiver in one descriptor and in 2 MiB ones (a run of 32 blocks per layer
+            # of Llama-3-8B), and WRITE by the sender (then a ping, so the receiver knows, as a READ's
+            # reply tells the sender).
+            for label, piece in (("raw_nixl_read", 0), ("raw_nixl_read_2mib", 2 << 20)):
+                times = []
+                for _ in range(repeats + 1):
+                    start = time.perf_counter()
+                    assert remote.call("raw_nixl", (nbytes, piece)) == "DONE"
+                    times.append(time.perf_counter() - start)
+                row[f"{label}_gb_s"] = nbytes / _median(times[1:]) / 1e9
+            local = agent.get_xfer_descs(_pieces(flat.data_ptr(), nbytes, 0, max(flat.get_device(), 0)), mem)
+            target = agent.get_xfer_descs(_pieces(receiver_address, nbytes, 0, receiver_device), mem)
             times = []
             for _ in range(repeats + 1):
                 start = time.perf_counter()
-                assert remote.call("raw_nixl", nbytes) == "DONE"
+                assert _nixl_run(agent, "WRITE", local, target, receiver_name) == "DONE"
+                assert remote.call("ping") == "pong"
                 times.append(time.perf_counter() - start)
-            row["raw_nixl_read_gb_s"] = nbytes / _median(times[1:]) / 1e9
+            row["raw_nixl_write_gb_s"] = nbytes / _median(times[1:]) / 1e9
+        if "copy" in anchors and cuda:  # one device copy of the same bytes (the same-GPU ceiling)
+            scratch = torch.empty(nbytes, dtype=torch.uint8, device=send_dev)
+            times = []
+            for _ in range(repeats + 1):
+                _sync(send_dev)
+                start = time.perf_counter()
+                scratch.copy_(flat[:nbytes])
+                _sync(send_dev)
+                times.append(time.perf_counter() - start)
+            row["raw_copy_gb_s"] = nbytes / _median(times[1:]) / 1e9
+            del scratch
         if "tcp" in anchors and not cuda:
             payload = memoryview(flat[:nbytes].numpy())
             times = []
@@ -305,7 +353,7 @@ def run(args: argparse.Namespace) -> dict:
             row["raw_tcp_gb_s"] = nbytes / _median(times[1:]) / 1e9
         measured = [k[len("pdserve_") : -len("_gb_s")] for k in row if k.startswith("pdserve_")]
         for name in measured:
-            for anchor in ("raw_nccl", "raw_gloo", "raw_nixl_read", "raw_tcp"):
+            for anchor in ("raw_nccl", "raw_gloo", "raw_nixl_read", "raw_nixl_write", "raw_copy", "raw_tcp"):
                 if f"{anchor}_gb_s" in row:
                     row[f"ratio_{name}_to_{anchor}"] = row[f"pdserve_{name}_gb_s"] / row[f"{anchor}_gb_s"]
         rows.append(row)
@@ -321,7 +369,9 @@ def run(args: argparse.Namespace) -> dict:
 
         dist.destroy_process_group()
 
-    if cuda:
+    if cuda and args.same_gpu:
+        device = f"1 x {torch.cuda.get_device_name(0)} (sender and receiver processes both on cuda:0)"
+    elif cuda:
         names = {torch.cuda.get_device_name(i) for i in range(2)}
         device = f"2 x {' / '.join(sorted(names))} (sender cuda:0, receiver cuda:1)"
     else:
@@ -347,7 +397,11 @@ def run(args: argparse.Namespace) -> dict:
         "dry_run": args.dry_run,
         "load_average_1m_at_start": load_average,
         "versions": versions,
-        "env": {k: os.environ[k] for k in ("UCX_TLS", "UCX_NET_DEVICES") if k in os.environ},
+        "env": {
+            k: os.environ[k]
+            for k in ("UCX_TLS", "UCX_NET_DEVICES", "UCX_CUDA_IPC_ENABLE_GET_ZCOPY")
+            if k in os.environ
+        },
         "kv_shape": {
             "layers": layers,
             "kv_heads": heads,
@@ -364,7 +418,9 @@ def run(args: argparse.Namespace) -> dict:
         "forced to one of its two ways (pdserve_nccl: the one it picks, DIRECT_MIN_RUN_BYTES); "
         "raw_nccl (raw_gloo on the CPU): dist.send of one contiguous tensor until the receiver synced "
         "its recv; "
-        "raw_nixl_read: one NIXL READ of one contiguous registered region, started by the receiver; "
+        "raw_nixl_read: one NIXL READ of one contiguous registered region, started by the receiver "
+        "(_2mib: the region in 2 MiB descriptors); raw_nixl_write: one NIXL WRITE of it by the sender, "
+        "then a ping to the receiver; raw_copy (--same-gpu): one device copy of the bytes; "
         "raw_tcp: one socket, sendall into recv_into. GB/s = bytes / median time.",
         "repeats": repeats,
         "nixl_max_desc_bytes": max_desc_bytes,
@@ -386,7 +442,9 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--sizes-mib", default="", help="default 16,256,1024 (4,16 with --dry-run)")
     p.add_argument("--transports", default="", help="pdserve transports to time (default: all available)")
-    p.add_argument("--anchors", default="", help="raw anchors: nccl, nixl, tcp (default: nccl,nixl on cuda)")
+    p.add_argument(
+        "--anchors", default="", help="raw anchors: nccl, nixl, tcp, copy (default: nccl,nixl on cuda)"
+    )
     p.add_argument("--shape", choices=sorted(SHAPES), default="", help="KV shape (default by device)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument(
@@ -394,6 +452,11 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
         type=float,
         default=0,
         help="cut nixl READ descriptors to at most this size (default 0: one per contiguous run)",
+    )
+    p.add_argument(
+        "--same-gpu",
+        action="store_true",
+        help="both processes on cuda:0 (one-GPU hosts; nixl over CUDA IPC, no nccl): protocol costs",
     )
     p.add_argument("--dry-run", action="store_true", help="small sizes, one repeat, output to a temp file")
     p.add_argument("--output", default="", help="default docs/benchmarks/kv_transfer_<cpu|gpu>.json")
