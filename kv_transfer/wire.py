@@ -24,6 +24,8 @@ class KVSetup(Message):
     # Its registered KV cache: base address, layers, blocks, bytes per (layer, block) slab, device.
     nixl_cache: tuple[int, int, int, int, int] = (0, 0, 0, 0, 0)
     nixl_mem: str = ""  # DRAM | VRAM
+    # Its registered staging region, where fragmented blocks are packed for one READ: address, bytes.
+    nixl_stage: tuple[int, int] = (0, 0)
     nccl_device: str = ""  # cpu (gloo) | cuda (nccl): both ends must hold the KV on the same kind
 
 
@@ -40,9 +42,12 @@ class KVReady(Message):
     """NIXL: layers [layer_start, layer_end) of ``src_block_ids`` in the sender's registered cache
     may be read now.
 
-    The receiver READs (layer, ``src_block_ids[i]``) into its (layer, ``dst_block_ids[i]``) for
-    each of those layers, in place, and answers ``KVReadDone`` carrying ``xfer_id``; until then the
-    sender keeps those blocks unchanged.
+    In place (``src_offset`` -1), the receiver READs (layer, ``src_block_ids[i]``) into its (layer,
+    ``dst_block_ids[i]``) for each of those layers. Packed (``src_offset`` >= 0), the sender has
+    gathered them into its staging region at that offset as ``[layers, len(dst_block_ids), 2, BS,
+    Hkv, D]``: the receiver READs that in one piece into its own staging region and scatters it
+    into ``dst_block_ids``. Either way it answers ``KVReadDone`` carrying ``xfer_id``; until then
+    the sender keeps the blocks (or the staged copy) unchanged.
     """
 
     request_id: str
@@ -52,6 +57,7 @@ class KVReady(Message):
     layer_start: int
     layer_end: int
     timeout_s: float  # the READ is abandoned (and the request failed) after this long
+    src_offset: int = -1  # packed: byte offset of the gathered blocks in the sender's staging region
 
 
 class KVReadDone(Message):

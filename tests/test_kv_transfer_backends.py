@@ -20,32 +20,38 @@ from kv_transfer import KVRefused, KVTransferError, ReservationTable
 from pdserve.messages import KVCommit, NodeInfo
 
 L, NB, BS, H, D = 3, 16, 4, 2, 8
+_NIXL = pytest.mark.skipif("nixl" not in kv_transfer.available_transports(), reason="nixl not installed")
 BACKENDS = [
     "zmq",
-    pytest.param(
-        "nixl",
-        marks=pytest.mark.skipif(
-            "nixl" not in kv_transfer.available_transports(), reason="nixl not installed"
-        ),
-    ),
+    pytest.param("nixl", marks=_NIXL),  # READ in place, one descriptor per run of blocks (DRAM)
+    pytest.param("nixl-packed", marks=_NIXL),  # packed into staging slots, one READ a slot
     "nccl",
     "nccl-direct",  # nccl moving blocks straight between the caches (not through staging buffers)
 ]
+ACROSS_PROCESSES = [b for b in BACKENDS if getattr(b, "values", (b,))[0] != "nixl-packed"]
+"""The slower tests across processes take each transport's failure paths once."""
 
 
 def backend(name: str) -> str:
-    return "nccl" if name == "nccl-direct" else name
+    return name.split("-")[0]
 
 
 @pytest.fixture(autouse=True)
-def _nccl_direct(request, monkeypatch):
-    """Tests of "nccl-direct" send every block straight from cache to cache, over gloo here."""
+def _forced_ways(request, monkeypatch):
+    """Tests of "nccl-direct" send every block straight from cache to cache (over gloo here), and
+    of "nixl-packed" pack every send into staging slots (as CUDA caches do with fragmented blocks)."""
     callspec = getattr(request.node, "callspec", None)
-    if callspec is not None and "nccl-direct" in callspec.params.values():
+    params = callspec.params.values() if callspec is not None else ()
+    if "nccl-direct" in params:
         import kv_transfer.nccl_backend
 
         monkeypatch.setattr(kv_transfer.nccl_backend, "DIRECT_ON_CPU", True)
         monkeypatch.setattr(kv_transfer.nccl_backend, "DIRECT_MIN_RUN_BYTES", 0)
+    if "nixl-packed" in params:
+        import kv_transfer.nixl_backend
+
+        monkeypatch.setattr(kv_transfer.nixl_backend, "PACK_ON_CPU", True)
+        monkeypatch.setattr(kv_transfer.nixl_backend, "DESCRIPTORS_PER_PIECE", 0)
 
 
 def info(node_id: str, **kw) -> NodeInfo:
@@ -367,7 +373,7 @@ class Remote:
         self.proc.join(timeout=10)
 
 
-@pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize("name", ACROSS_PROCESSES)
 def test_receiver_killed_fails_the_transfer_in_time(name):
     remote = Remote(_serve, name)
     assert remote.conn.poll(60)
@@ -388,7 +394,7 @@ def test_receiver_killed_fails_the_transfer_in_time(name):
         remote.kill()
 
 
-@pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize("name", ACROSS_PROCESSES)
 def test_receiver_that_stops_answering_times_out_and_recovers(name):
     remote = Remote(_serve, name)
     assert remote.conn.poll(60)
@@ -416,7 +422,7 @@ def test_receiver_that_stops_answering_times_out_and_recovers(name):
         remote.kill()
 
 
-@pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize("name", ACROSS_PROCESSES)
 def test_sender_killed_mid_prompt_leaves_an_uncommitted_lease(name):
     now = [1000.0]
     r = Receiver(name, clock=lambda: now[0])  # the lease runs on a clock the test moves

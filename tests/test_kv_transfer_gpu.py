@@ -81,7 +81,7 @@ class Remote:
             self.proc.join(timeout=10)
 
 
-@pytest.fixture(params=["nixl", "nccl", "nccl-direct"])
+@pytest.fixture(params=["nixl", "nixl-packed", "nccl", "nccl-direct"])
 def gpu_pair(request, monkeypatch):
     name = request.param
     if name == "nccl-direct":  # every send straight from cache to cache, whatever its runs
@@ -89,6 +89,11 @@ def gpu_pair(request, monkeypatch):
 
         monkeypatch.setattr(nccl_backend, "DIRECT_MIN_RUN_BYTES", 0)
         name = "nccl"
+    if name == "nixl-packed":  # every send gathered into staging slots, READ, scattered
+        from kv_transfer import nixl_backend
+
+        monkeypatch.setattr(nixl_backend, "DESCRIPTORS_PER_PIECE", 0)
+        name = "nixl"
     if name not in kv_transfer.available_transports():
         pytest.skip(f"{name} is not available here")
     send_dev, recv_dev = _devices(name)

@@ -129,12 +129,19 @@ def _pinned(table: ReservationTable, rid: str) -> bool:
 
 
 @nixl_only
-def test_release_mid_read_waits_for_it_and_the_sender_holds_its_blocks_until_then():
+@pytest.mark.parametrize("order", ["in place", "packed"])
+def test_release_mid_read_waits_for_it_and_the_sender_holds_its_blocks_until_then(order, monkeypatch):
     """An abort on the decode node while its READ runs: ``release`` returns only once the READ is
     over, nothing lands after it, and the sender's future resolves only after the READ ended (the
-    prefill node frees its source blocks then)."""
+    prefill node frees its source blocks then). Blocks in order are READ in place; shuffled ones
+    are packed into staging slots, READ and scattered (the scatter, too, happens pinned)."""
+    import kv_transfer.nixl_backend
+
+    monkeypatch.setattr(kv_transfer.nixl_backend, "PACK_ON_CPU", True)  # as on CUDA
     pair = Pair(LARGE, src_blocks=512, dst_blocks=512)
     ids = list(range(512))
+    if order == "packed":
+        ids = torch.randperm(512, generator=torch.Generator().manual_seed(1)).tolist()
     try:
         pair.sender.handshake(pair.address, info("prefill", LARGE), 10)
         for attempt in range(5):  # until the abort lands while the READ is in flight
@@ -165,7 +172,96 @@ def test_release_mid_read_waits_for_it_and_the_sender_holds_its_blocks_until_the
         pair.dst.zero_()
         pair.table.add("next", ids[:8], time.time() + 30)
         assert pair.send("next", ids[100:108], ids[:8]).result().ok
-        assert torch.equal(pair.dst[:, :8], pair.src[:, 100:108])
+        assert torch.equal(pair.dst[:, ids[:8]], pair.src[:, ids[100:108]])
+    finally:
+        pair.close()
+
+
+@nixl_only
+def test_packed_sends_larger_than_the_staging_pools(monkeypatch):
+    """Fragmented blocks are packed into staging slots; a send of more pieces than either node has
+    slots takes them in turns (the sender waits for its own READs, the receiver queues READs until
+    a slot is free), and sends from several threads share the slots."""
+    import kv_transfer.nixl_backend as nb
+    import kv_transfer.staging
+
+    slab = 2 * SMALL[2] * SMALL[1] * SMALL[3] * 4
+    monkeypatch.setattr(kv_transfer.staging, "STAGE_SLOTS", 2)
+    monkeypatch.setattr(kv_transfer.staging, "STAGE_SLOT_BYTES", 5 * slab)  # 5 blocks of one layer
+    kv = cache(SMALL, 64, fill=False)  # 3 layers
+    monkeypatch.setattr(nb, "DESCRIPTORS_PER_PIECE", 3)
+    assert not nb.packs(kv, [4, 9, 2], [0, 1, 2], pieces=1)  # DRAM: in place
+    monkeypatch.setattr(nb, "PACK_ON_CPU", True)  # as on CUDA: packed when in place takes many descriptors
+    assert nb.packs(kv, [4, 9, 2], [0, 1, 2], pieces=1)  # 9 descriptors in place > 3 for 1 piece
+    assert not nb.packs(kv, [4, 9, 2], [0, 1, 2], pieces=5)
+    assert not nb.packs(kv, [1, 2, 3], [5, 6, 7], pieces=1)  # one run: 3 descriptors
+    monkeypatch.setattr(nb, "DESCRIPTORS_PER_PIECE", 0)  # always packed from here
+    pair = Pair(SMALL, src_blocks=64, dst_blocks=64)
+    try:
+        gen = torch.Generator().manual_seed(0)
+        jobs = []
+        for k in range(4):  # 4 requests of 12 blocks: 3 layers x 3 pieces each, 2 slots a node
+            src = torch.randperm(64, generator=gen)[:12].tolist()
+            dst = list(range(12 * k, 12 * k + 12))
+            pair.table.add(f"r{k}", dst, time.time() + 30)
+            jobs.append((src, dst))
+        results = [None] * 4
+
+        def run(k):
+            sender = kv_transfer.create_sender("nixl")  # one sender (and staging pool) per thread
+            sender.register_kv_cache(pair.src)
+            try:
+                results[k] = sender.send(
+                    pair.address,
+                    info("prefill", SMALL),
+                    f"r{k}",
+                    jobs[k][0],
+                    jobs[k][1],
+                    KVCommit(f"r{k}", first_token=1),
+                    30,
+                ).result()
+            finally:
+                sender.close()
+
+        threads = [threading.Thread(target=run, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert all(r is not None and r.ok for r in results), results
+        for src, dst in jobs:
+            assert torch.equal(pair.dst[:, dst], pair.src[:, src])
+        assert sorted(pair.commits) == ["r0", "r1", "r2", "r3"]
+        assert pair.receiver.planes["nixl"].pool.num_slots == 2 and not pair.receiver.planes["nixl"]._waiting
+    finally:
+        pair.close()
+
+
+@nixl_only
+def test_packed_reads_outside_the_staging_region_are_refused(monkeypatch):
+    """A packed KVReady may only name bytes inside the sender's registered staging region, and no
+    more than one of this node's slots."""
+    import kv_transfer.staging
+    from kv_transfer.nixl_backend import _Remote
+    from kv_transfer.wire import KVReady
+
+    slab = 2 * SMALL[2] * SMALL[1] * SMALL[3] * 4
+    monkeypatch.setattr(kv_transfer.staging, "STAGE_SLOT_BYTES", 4 * slab)
+    pair = Pair(SMALL, src_blocks=16, dst_blocks=16)
+    try:
+        plane = pair.receiver.planes["nixl"]
+        assert plane.slab_bytes == slab and plane.pool.slot_bytes == 4 * slab
+        remote = _Remote("peer", 1 << 20, 16, 0, "DRAM", stage_address=1 << 30, stage_bytes=4 * slab)
+
+        def ready(offset: int, blocks: list[int], layers: tuple[int, int]) -> KVReady:
+            return KVReady("r", 1, [], blocks, layers[0], layers[1], 5.0, src_offset=offset)
+
+        assert plane._refusal(remote, ready(0, [1, 2], (0, 2))) == ""  # 4 slabs from offset 0
+        assert "reaches past" in plane._refusal(remote, ready(slab, [1, 2], (0, 2)))
+        assert "reaches past" in plane._refusal(
+            _Remote("peer", 1 << 20, 16, 0, "DRAM"), ready(0, [1], (0, 1))
+        )
+        assert "exceeds" in plane._refusal(remote, ready(0, [1, 2], (0, 3)))  # 6 slabs, slots of 4
     finally:
         pair.close()
 

@@ -101,8 +101,25 @@ def _nixl_run(agent, op: str, local, remote, remote_name: str) -> str:
 # -- receiver process ------------------------------------------------------------------------------
 
 
+def _set_staging(slots: tuple[int, int]) -> None:
+    """Staging slots (number, bytes) for the pools created from here on (0: the default)."""
+    import kv_transfer.staging
+
+    if slots[0]:
+        kv_transfer.staging.STAGE_SLOTS = slots[0]
+    if slots[1]:
+        kv_transfer.staging.STAGE_SLOT_BYTES = slots[1]
+
+
 def _receiver(
-    conn, shape: tuple, num_blocks: int, device: str, transports: str, raw_bytes: int, max_desc_bytes: int
+    conn,
+    shape: tuple,
+    num_blocks: int,
+    device: str,
+    transports: str,
+    raw_bytes: int,
+    max_desc_bytes: int,
+    slots: tuple[int, int],
 ) -> None:
     import kv_transfer
     from kv_transfer import ReservationTable
@@ -111,6 +128,7 @@ def _receiver(
         import kv_transfer.nixl_backend
 
         kv_transfer.nixl_backend.MAX_DESC_BYTES = max_desc_bytes  # the decode side builds the READs
+    _set_staging(slots)
     torch.set_num_threads(1)
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
@@ -219,6 +237,9 @@ def _time_transport(remote, sender, address, shape, n: int, repeats: int, tag: s
 
 def run(args: argparse.Namespace) -> dict:
     import kv_transfer
+    import kv_transfer.nccl_backend
+    import kv_transfer.nixl_backend
+    import kv_transfer.staging
 
     cuda = args.device == "cuda"
     load_average = os.getloadavg()[0]  # other work on the machine moves CPU figures
@@ -241,7 +262,9 @@ def run(args: argparse.Namespace) -> dict:
     ctx = mp.get_context("spawn")
     accepted = ",".join(dict.fromkeys([*transports, "zmq"]))
     max_desc_bytes = int(args.nixl_max_desc_mib * (1 << 20))
-    remote = _Remote(ctx, (shape, max_blocks, recv_dev, accepted, max_bytes, max_desc_bytes))
+    slots = (args.stage_slots, args.stage_slot_mib << 20)
+    _set_staging(slots)
+    remote = _Remote(ctx, (shape, max_blocks, recv_dev, accepted, max_bytes, max_desc_bytes, slots))
     if not remote.conn.poll(300):
         raise RuntimeError("the receiver did not start")
     address, raw_port = remote.conn.recv()
@@ -296,6 +319,18 @@ def run(args: argparse.Namespace) -> dict:
                 seconds = _time_transport(remote, senders["nccl"], address, shape, n, repeats, mode)
                 row[f"pdserve_nccl_{mode}_gb_s"] = nbytes / seconds / 1e9
             nccl_backend.DIRECT_MIN_RUN_BYTES = picked
+        if "nixl" in senders and cuda:  # both of nixl's ways, in order and shuffled
+            import kv_transfer.nixl_backend as nixl_backend
+
+            picked = nixl_backend.DESCRIPTORS_PER_PIECE
+            shuffled = torch.randperm(n, generator=torch.Generator().manual_seed(n)).tolist()
+            for mode, threshold in (("inplace", 1 << 62), ("packed", 0)):
+                nixl_backend.DESCRIPTORS_PER_PIECE = threshold
+                for suffix, ids in (("", None), ("_shuffled", shuffled)):
+                    tag = f"nixl-{mode}{suffix}"
+                    seconds = _time_transport(remote, senders["nixl"], address, shape, n, repeats, tag, ids)
+                    row[f"pdserve_nixl_{mode}{suffix}_gb_s"] = nbytes / seconds / 1e9
+            nixl_backend.DESCRIPTORS_PER_PIECE = picked
         if "nccl" in anchors:
             import torch.distributed as dist
 
@@ -421,10 +456,15 @@ def run(args: argparse.Namespace) -> dict:
         "raw_nixl_read: one NIXL READ of one contiguous registered region, started by the receiver "
         "(_2mib: the region in 2 MiB descriptors); raw_nixl_write: one NIXL WRITE of it by the sender, "
         "then a ping to the receiver; raw_copy (--same-gpu): one device copy of the bytes; "
+        "pdserve_nixl_inplace / _packed: nixl forced to READ the blocks in place (one descriptor per run "
+        "and layer) or to pack them into staging slots (gather, one READ a slot, scatter); pdserve_nixl: the "
+        "way it picks (DESCRIPTORS_PER_PIECE); "
         "raw_tcp: one socket, sendall into recv_into. GB/s = bytes / median time.",
         "repeats": repeats,
         "nixl_max_desc_bytes": max_desc_bytes,
-        "nccl_direct_min_run_bytes": __import__("kv_transfer.nccl_backend").nccl_backend.DIRECT_MIN_RUN_BYTES,
+        "nccl_direct_min_run_bytes": kv_transfer.nccl_backend.DIRECT_MIN_RUN_BYTES,
+        "nixl_descriptors_per_piece": kv_transfer.nixl_backend.DESCRIPTORS_PER_PIECE,
+        "staging_slots": [kv_transfer.staging.STAGE_SLOTS, kv_transfer.staging.STAGE_SLOT_BYTES],
         "results": rows,
     }
     out = args.output or (
@@ -452,6 +492,10 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
         type=float,
         default=0,
         help="cut nixl READ descriptors to at most this size (default 0: one per contiguous run)",
+    )
+    p.add_argument("--stage-slots", type=int, default=0, help="staging slots a node (default: STAGE_SLOTS)")
+    p.add_argument(
+        "--stage-slot-mib", type=int, default=0, help="MiB a staging slot (default: STAGE_SLOT_BYTES)"
     )
     p.add_argument(
         "--same-gpu",
