@@ -436,11 +436,10 @@ def coalesce(
     src = np.array(src_list, dtype=np.int64)
     dst = np.array(dst_list, dtype=np.int64)
     counts = np.array(count_list, dtype=np.int64)
-    starts = np.arange(len(counts))
     cap = max(1, max_bytes // slab_bytes) if max_bytes else 0
     if cap and counts.max() > cap:  # cut long runs into pieces of ``cap`` slabs
         pieces = -(-counts // cap)
-        first = np.repeat(starts, pieces)
+        first = np.repeat(np.arange(len(counts)), pieces)
         k = np.arange(len(first)) - np.repeat(np.cumsum(pieces) - pieces, pieces)  # piece number in run
         src = src[first] + k * cap
         dst = dst[first] + k * cap
@@ -474,18 +473,41 @@ def layer_chunks(num_layers: int, bytes_per_layer: int, chunk_bytes: int) -> lis
     return [(i, min(i + step, num_layers)) for i in range(0, num_layers, step)]
 
 
+def block_index(block_ids: Sequence[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(list(block_ids), dtype=torch.long, device=device)
+
+
+def gather_into(kv: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) -> None:
+    """``out[:] = kv[:, idx]`` (``kv``: some layers of a cache, ``out``: ``[layers, n, 2, BS, Hkv,
+    D]``); on CUDA the Triton copy, queued on the current stream."""
+    if kv.is_cuda:
+        from kernels.block_copy import gather_blocks
+
+        gather_blocks(kv, idx, out=out)
+    else:
+        torch.index_select(kv, 1, idx, out=out)
+
+
+def scatter_from(buf: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor) -> None:
+    """``kv[:, idx] = buf``; on CUDA the Triton copy, queued on the current stream."""
+    if kv.is_cuda:
+        from kernels.block_copy import scatter_blocks
+
+        scatter_blocks(buf, kv, idx)
+    else:
+        kv.index_copy_(1, idx, buf)
+
+
 def stage_blocks(kv: torch.Tensor, block_ids: Sequence[int]) -> Staged:
     """Gather ``block_ids`` of every layer into a new tensor on the cache's device."""
-    idx = torch.tensor(list(block_ids), dtype=torch.long, device=kv.device)
+    idx = block_index(block_ids, kv.device)
     if not kv.is_cuda:
         return Staged(kv.index_select(1, idx), list(block_ids))
-    from kernels.block_copy import gather_blocks
-
     out = kv.new_empty((kv.shape[0], len(idx), *kv.shape[2:]))
     staged = Staged(out, list(block_ids))
     bytes_per_layer = out[0].numel() * out.element_size()
     for start, end in layer_chunks(kv.shape[0], bytes_per_layer, STAGE_CHUNK_BYTES):
-        gather_blocks(kv[start:end], idx, out=out[start:end])
+        gather_into(kv[start:end], idx, out[start:end])
         event = torch.cuda.Event()
         event.record()
         staged.ready.append((end, event))

@@ -532,31 +532,28 @@ class NcclSession(SenderSession):
     ) -> Callable[[float], None]:
         """Post every send and return: the decode node's pair thread takes the commit after the
         recvs, so the commit may go out now; the returned function waits for the sends."""
-        plane = self.plane
-        with self._errors():
-            if plane.kv.is_cuda:
-                with torch.cuda.device(plane.kv.device), torch.cuda.stream(plane.stream):
-                    works = self._post(request_id, staged, dst_block_ids, deadline)
-            else:
-                works = self._post(request_id, staged, dst_block_ids, deadline)
+        cuda = self.plane.kv.is_cuda
+        with self._on_stream():
+            works = self._post(request_id, staged, dst_block_ids, deadline)
 
         def finish(until: float) -> None:
-            with self._errors():
-                if plane.kv.is_cuda:
-                    with torch.cuda.device(plane.kv.device), torch.cuda.stream(plane.stream):
-                        for work in works:
-                            _wait(work, until, True)
-                else:
-                    for work in works:
-                        _wait(work, until, False)
+            with self._on_stream():
+                for work in works:
+                    _wait(work, until, cuda)
 
         return finish
 
     @contextlib.contextmanager
-    def _errors(self):
-        """Any failure as a KVTransferError that names the peer."""
+    def _on_stream(self):
+        """On the pair's CUDA stream (where there is one), with any failure as a KVTransferError
+        that names the peer."""
+        plane = self.plane
         try:
-            yield
+            if plane.kv.is_cuda:
+                with torch.cuda.device(plane.kv.device), torch.cuda.stream(plane.stream):
+                    yield
+            else:
+                yield
         except KVTransferError:
             raise
         except TimeoutError as e:

@@ -78,13 +78,16 @@ from kv_transfer.base import (
     SenderPlane,
     SenderSession,
     Staged,
+    block_index,
     block_runs,
     coalesce,
+    gather_into,
     in_place,
     layer_chunks,
+    scatter_from,
     slab_bytes,
 )
-from kv_transfer.staging import StagePool, block_index, gather_into, scatter_from, stage_pieces
+from kv_transfer.staging import StagePool, stage_pieces
 from kv_transfer.wire import KVReadDone, KVReady, KVSetup, KVSetupReply
 from kv_transfer.zmq_backend import valid_block_ids
 from pdserve.messages import encode
@@ -152,6 +155,11 @@ def _mem_type(t: torch.Tensor) -> str:
 
 def _device_id(t: torch.Tensor) -> int:
     return max(t.get_device(), 0)
+
+
+def _read_deadline(msg: KVReady) -> float:
+    """When a READ (or its wait for a staging slot) is given up: the sender's timeout, bounded."""
+    return time.monotonic() + min(max(msg.timeout_s, 0.0), MAX_READ_S)
 
 
 def _descs(base: int, offsets: np.ndarray, lengths: np.ndarray, device: int) -> np.ndarray:
@@ -294,8 +302,10 @@ class NixlReceiverPlane(ReceiverPlane):
     # -- on the control thread ---------------------------------------------------------------------
 
     def _queue(self, peer: bytes, msg: KVReady) -> None:
-        timeout = min(max(msg.timeout_s, 0.0), MAX_READ_S) if math.isfinite(msg.timeout_s) else 0.0
-        self._waiting.append((peer, msg, time.monotonic() + timeout))
+        self._waiting.append((peer, msg, _read_deadline(msg)))
+
+    def _packed_bytes(self, msg: KVReady) -> int:
+        return (msg.layer_end - msg.layer_start) * len(msg.dst_block_ids) * self.slab_bytes
 
     def _poll_safely(self, read: _Read) -> bool:
         """``_poll``, and nothing may stop the control thread. A READ whose state cannot be read stays
@@ -316,7 +326,7 @@ class NixlReceiverPlane(ReceiverPlane):
                     return False
             elif read.scatter is not True and self.stream is not None:
                 self.stream.synchronize()  # a scatter is still writing: wait it out
-            self._end(read, f"NIXL READ failed: {e}")
+            self._end(read.peer, read.msg, read.slot, f"NIXL READ failed: {e}")
             return True
 
     def _refusal(self, remote: _Remote | None, msg: KVReady) -> str:
@@ -331,7 +341,7 @@ class NixlReceiverPlane(ReceiverPlane):
         if not 0 <= msg.layer_start < msg.layer_end <= self.num_layers:
             return f"KVReady names layers [{msg.layer_start}, {msg.layer_end}) of {self.num_layers}"
         if msg.src_offset >= 0:
-            nbytes = (msg.layer_end - msg.layer_start) * len(msg.dst_block_ids) * self.slab_bytes
+            nbytes = self._packed_bytes(msg)
             if nbytes > self.pool.slot_bytes:
                 return (
                     f"a packed KVReady of {nbytes} bytes exceeds this node's {self.pool.slot_bytes}-byte slot"
@@ -367,7 +377,7 @@ class NixlReceiverPlane(ReceiverPlane):
         try:  # pinned from here: every way out ends the pin
             kv = self.kv
             if slot >= 0:
-                nbytes = (msg.layer_end - msg.layer_start) * len(msg.dst_block_ids) * self.slab_bytes
+                nbytes = self._packed_bytes(msg)
                 at = self.pool.buf.data_ptr() + self.pool.offset(slot)
                 local = np.array([[at, nbytes, _device_id(kv)]], dtype=np.uint64)
                 at = remote.stage_address + msg.src_offset
@@ -393,11 +403,9 @@ class NixlReceiverPlane(ReceiverPlane):
                 handle.release()
                 raise RuntimeError("the transfer was refused")
         except Exception as e:
-            read = _Read(None, peer, msg, 0.0, 0, slot=slot, scatter=True)
-            self._end(read, f"NIXL READ could not start: {e}")
+            self._end(peer, msg, slot, f"NIXL READ could not start: {e}")
             return True
-        deadline = time.monotonic() + min(max(msg.timeout_s, 0.0), MAX_READ_S)
-        self._inflight.append(_Read(handle, peer, msg, deadline, int(lengths.sum()), slot=slot))
+        self._inflight.append(_Read(handle, peer, msg, _read_deadline(msg), int(lengths.sum()), slot=slot))
         return True
 
     def _poll(self, read: _Read) -> bool:
@@ -408,7 +416,7 @@ class NixlReceiverPlane(ReceiverPlane):
                     return False
                 self.stream.synchronize()  # a scatter does not hang: let it finish, then unpin
             self.bytes_received += read.nbytes
-            self._end(read, "")
+            self._end(read.peer, read.msg, read.slot, "")
             return True
         state = self.agent.check_xfer_state(read.handle)
         if state == "PROC" and time.monotonic() < read.deadline:
@@ -427,7 +435,7 @@ class NixlReceiverPlane(ReceiverPlane):
             return self._poll(read)
         if not error:
             self.bytes_received += read.nbytes
-        self._end(read, error)
+        self._end(read.peer, read.msg, read.slot, error)
         return True
 
     def _scatter(self, read: _Read):
@@ -446,13 +454,12 @@ class NixlReceiverPlane(ReceiverPlane):
             event.record()
         return event
 
-    def _end(self, read: _Read, error: str) -> None:
+    def _end(self, peer: bytes, msg: KVReady, slot: int, error: str) -> None:
         """The READ (and scatter) is over: unpin, free its slot, tell the sender."""
-        msg = read.msg
         self.table.end(msg.request_id, msg.dst_block_ids, msg.layer_start, msg.layer_end, error)
-        if read.slot >= 0:
-            self.pool.release(read.slot)
-        self._reply(read.peer, msg, error)
+        if slot >= 0:
+            self.pool.release(slot)
+        self._reply(peer, msg, error)
 
     def _reply(self, peer: bytes, msg: KVReady, error: str) -> None:
         """Tell the sender the READ is over: it may reuse the source blocks from now on."""
@@ -539,14 +546,14 @@ class NixlSession(SenderSession):
         connection; raises if one failed)."""
         kv, src, dst = self.plane.kv, list(staged.block_ids), list(dst_block_ids)
         slab = slab_bytes(kv)
-        # With per-layer events, pieces of about LAYER_CHUNK_BYTES follow the layers as they finish.
-        step = max(1, LAYER_CHUNK_BYTES // max(len(dst) * slab, 1)) if len(staged.ready) > 1 else 0
-        pieces = stage_pieces(kv.shape[0], len(dst), slab, self.plane.pool.slot_bytes, step)
+        layer_wise = len(staged.ready) > 1  # per-layer events: chunks follow the layers as they finish
+        chunk_bytes = LAYER_CHUNK_BYTES if layer_wise else 0
+        pieces = stage_pieces(kv.shape[0], len(dst), slab, self.plane.pool.slot_bytes, chunk_bytes)
         if packs(kv, src, dst, len(pieces)):
             self._deliver_packed(request_id, staged, dst, pieces, deadline)
             return
-        if len(staged.ready) > 1:
-            chunks = layer_chunks(kv.shape[0], len(src) * slab_bytes(kv), LAYER_CHUNK_BYTES)
+        if layer_wise:
+            chunks = layer_chunks(kv.shape[0], len(src) * slab, LAYER_CHUNK_BYTES)
         else:
             chunks = [(0, kv.shape[0])]
         pending: dict[int, int] = {}  # xfer id -> staging slot (none in place)

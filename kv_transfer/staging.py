@@ -14,9 +14,10 @@ of a send (``stage_pieces``) fits one slot, laid out ``[layers, blocks, 2, BS, H
 from __future__ import annotations
 
 import queue
-from collections.abc import Sequence
 
 import torch
+
+from kv_transfer.base import layer_chunks
 
 STAGE_SLOTS = 4
 STAGE_SLOT_BYTES = 64 << 20
@@ -71,45 +72,18 @@ class StagePool:
 
 
 def stage_pieces(
-    num_layers: int, num_blocks: int, slab_bytes: int, slot_bytes: int, layer_step: int = 0
+    num_layers: int, num_blocks: int, slab_bytes: int, slot_bytes: int, chunk_bytes: int = 0
 ) -> list[tuple[int, int, int, int]]:
     """(layer start, layer end, block start, block end) pieces of a send, each fitting one slot:
-    as many whole layers of all its blocks as fit (at most ``layer_step`` when given), or, where
-    one layer of them does not fit, one layer of as many blocks as fit."""
+    layer chunks of all its blocks (``layer_chunks`` of at most ``chunk_bytes`` when given), or,
+    where one layer of them does not fit a slot, one layer of as many blocks as fit."""
     per_layer = num_blocks * slab_bytes
     if per_layer <= slot_bytes:
-        step = slot_bytes // per_layer
-        if layer_step:
-            step = min(step, layer_step)
-        return [(i, min(i + step, num_layers), 0, num_blocks) for i in range(0, num_layers, step)]
+        limit = min(slot_bytes, chunk_bytes or slot_bytes)
+        return [(l0, l1, 0, num_blocks) for l0, l1 in layer_chunks(num_layers, per_layer, limit)]
     blocks = slot_bytes // slab_bytes
     return [
         (layer, layer + 1, b, min(b + blocks, num_blocks))
         for layer in range(num_layers)
         for b in range(0, num_blocks, blocks)
     ]
-
-
-def gather_into(kv: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) -> None:
-    """``out[:] = kv[:, idx]`` (``kv``: some layers of a cache, ``out``: a slot view); on CUDA the
-    Triton copy, queued on the current stream."""
-    if kv.is_cuda:
-        from kernels.block_copy import gather_blocks
-
-        gather_blocks(kv, idx, out=out)
-    else:
-        torch.index_select(kv, 1, idx, out=out)
-
-
-def scatter_from(buf: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor) -> None:
-    """``kv[:, idx] = buf``; on CUDA the Triton copy, queued on the current stream."""
-    if kv.is_cuda:
-        from kernels.block_copy import scatter_blocks
-
-        scatter_blocks(buf, kv, idx)
-    else:
-        kv.index_copy_(1, idx, buf)
-
-
-def block_index(block_ids: Sequence[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(list(block_ids), dtype=torch.long, device=device)

@@ -311,8 +311,7 @@ def run(args: argparse.Namespace) -> dict:
             seconds = _time_transport(remote, sender, address, shape, n, repeats, name + "-s", shuffled)
             row[f"pdserve_{name}_shuffled_gb_s"] = nbytes / seconds / 1e9
         if "nccl" in senders and cuda:  # both of nccl's ways, whichever it would pick
-            import kv_transfer.nccl_backend as nccl_backend
-
+            nccl_backend = kv_transfer.nccl_backend
             picked = nccl_backend.DIRECT_MIN_RUN_BYTES
             for mode, threshold in (("direct", 0), ("staged", 1 << 62)):
                 nccl_backend.DIRECT_MIN_RUN_BYTES = threshold
@@ -320,8 +319,7 @@ def run(args: argparse.Namespace) -> dict:
                 row[f"pdserve_nccl_{mode}_gb_s"] = nbytes / seconds / 1e9
             nccl_backend.DIRECT_MIN_RUN_BYTES = picked
         if "nixl" in senders and cuda:  # both of nixl's ways, in order and shuffled
-            import kv_transfer.nixl_backend as nixl_backend
-
+            nixl_backend = kv_transfer.nixl_backend
             picked = nixl_backend.DESCRIPTORS_PER_PIECE
             shuffled = torch.randperm(n, generator=torch.Generator().manual_seed(n)).tolist()
             for mode, threshold in (("inplace", 1 << 62), ("packed", 0)):
