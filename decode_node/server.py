@@ -22,12 +22,14 @@ import time
 
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
+from pdserve.kv_transfer import ReservationTable
+from pdserve.prefill_node.server import PrefillService
 
-import kv_transfer
-from kv_transfer import ReservationTable
+from pdserve import kv_transfer
 from pdserve.config import EngineConfig, NodeConfig
-from pdserve.engine import LLMEngine
-from pdserve.engine_loop import error_output
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.request import RequestStatus
 from pdserve.messages import (
     KVCommit,
     LandingDescriptor,
@@ -37,7 +39,8 @@ from pdserve.messages import (
     TokenEvent,
     frame,
 )
-from pdserve.node import (
+from pdserve.node.engine_loop import error_output
+from pdserve.node.framework import (
     RETRY_AFTER_S,
     NodeRefused,
     NodeService,
@@ -49,9 +52,6 @@ from pdserve.node import (
     node_info,
     read_message,
 )
-from pdserve.outputs import RequestOutput
-from pdserve.request import RequestStatus
-from prefill_node.server import PrefillService
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Neox-style rotary embedding (rotate_half) of q and k, reading a float32 cos/sin table.
 
 With ``x1, x2`` the two halves of a head and ``cos, sin`` the table row of the token's position
-(cast to the input dtype first, as transformers and :class:`pdserve.models.layers.RotaryEmbedding`
+(cast to the input dtype first, as transformers and :class:`pdserve.engine.models.layers.RotaryEmbedding`
 do)::
 
     out = x * cos + rotate_half(x) * sin,   rotate_half(x) = cat(-x2, x1)

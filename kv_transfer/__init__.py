@@ -52,7 +52,7 @@ explicitly to move DRAM with them).
 
 import functools
 
-from kv_transfer.base import (
+from pdserve.kv_transfer.base import (
     KVReceiver,
     KVRefused,
     KVSender,
@@ -98,7 +98,7 @@ def _nccl_available() -> bool:
 @functools.cache
 def available_transports() -> tuple[str, ...]:
     """Backends that can run here, best first (nccl runs on gloo without CUDA)."""
-    from kv_transfer.nixl_backend import nixl_available
+    from pdserve.kv_transfer.nixl_backend import nixl_available
 
     found = {"nixl": nixl_available(), "nccl": _nccl_available(), "zmq": True}
     return tuple(name for name in TRANSPORTS if found[name])
@@ -141,16 +141,16 @@ def create_receiver(
     ucx_tls: str = "",
 ) -> KVReceiver:
     """A decode-side receiver accepting ``name``'s transports (see ``transport_preferences``)."""
-    from kv_transfer.zmq_backend import ZmqReceiver
+    from pdserve.kv_transfer.zmq_backend import ZmqReceiver
 
     names = transport_preferences(name)
     planes = []
     if "nixl" in names:
-        from kv_transfer.nixl_backend import NixlReceiverPlane
+        from pdserve.kv_transfer.nixl_backend import NixlReceiverPlane
 
         planes.append(NixlReceiverPlane(ucx_net_devices=ucx_net_devices, ucx_tls=ucx_tls))
     if "nccl" in names:
-        from kv_transfer.nccl_backend import NcclReceiverPlane
+        from pdserve.kv_transfer.nccl_backend import NcclReceiverPlane
 
         planes.append(NcclReceiverPlane())
     return ZmqReceiver(host, port, cluster_token, planes=planes, transports=names)
@@ -163,16 +163,16 @@ def create_sender(
     ucx_tls: str = "",
 ) -> KVSender:
     """A prefill-side sender offering ``name``'s transports in order (see ``transport_preferences``)."""
-    from kv_transfer.zmq_backend import ZmqSender
+    from pdserve.kv_transfer.zmq_backend import ZmqSender
 
     names = transport_preferences(name)
     planes = []
     if "nixl" in names:
-        from kv_transfer.nixl_backend import NixlSenderPlane
+        from pdserve.kv_transfer.nixl_backend import NixlSenderPlane
 
         planes.append(NixlSenderPlane(ucx_net_devices=ucx_net_devices, ucx_tls=ucx_tls))
     if "nccl" in names:
-        from kv_transfer.nccl_backend import NcclSenderPlane
+        from pdserve.kv_transfer.nccl_backend import NcclSenderPlane
 
         planes.append(NcclSenderPlane())
     return ZmqSender(cluster_token, planes=planes, transports=names)

@@ -481,7 +481,7 @@ def gather_into(kv: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) -> None:
     """``out[:] = kv[:, idx]`` (``kv``: some layers of a cache, ``out``: ``[layers, n, 2, BS, Hkv,
     D]``); on CUDA the Triton copy, queued on the current stream."""
     if kv.is_cuda:
-        from kernels.block_copy import gather_blocks
+        from pdserve.kernels.block_copy import gather_blocks
 
         gather_blocks(kv, idx, out=out)
     else:
@@ -491,7 +491,7 @@ def gather_into(kv: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) -> None:
 def scatter_from(buf: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor) -> None:
     """``kv[:, idx] = buf``; on CUDA the Triton copy, queued on the current stream."""
     if kv.is_cuda:
-        from kernels.block_copy import scatter_blocks
+        from pdserve.kernels.block_copy import scatter_blocks
 
         scatter_blocks(buf, kv, idx)
     else:

@@ -69,8 +69,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-
-from kv_transfer.base import (
+from pdserve.kv_transfer.base import (
     KVRefused,
     KVTransferError,
     ReceiverPlane,
@@ -87,9 +86,10 @@ from kv_transfer.base import (
     scatter_from,
     slab_bytes,
 )
-from kv_transfer.staging import StagePool, stage_pieces
-from kv_transfer.wire import KVReadDone, KVReady, KVSetup, KVSetupReply
-from kv_transfer.zmq_backend import valid_block_ids
+from pdserve.kv_transfer.staging import StagePool, stage_pieces
+from pdserve.kv_transfer.wire import KVReadDone, KVReady, KVSetup, KVSetupReply
+from pdserve.kv_transfer.zmq_backend import valid_block_ids
+
 from pdserve.messages import encode
 
 logger = logging.getLogger(__name__)

@@ -16,8 +16,7 @@ from __future__ import annotations
 import queue
 
 import torch
-
-from kv_transfer.base import layer_chunks
+from pdserve.kv_transfer.base import layer_chunks
 
 STAGE_SLOTS = 4
 STAGE_SLOT_BYTES = 64 << 20

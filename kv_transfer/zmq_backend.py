@@ -51,9 +51,7 @@ from dataclasses import dataclass
 
 import torch
 import zmq
-from zmq.utils.monitor import parse_monitor_message
-
-from kv_transfer.base import (
+from pdserve.kv_transfer.base import (
     KVReceiver,
     KVRefused,
     KVSender,
@@ -65,7 +63,9 @@ from kv_transfer.base import (
     Staged,
     check_compatible,
 )
-from kv_transfer.wire import KVReadDone, KVReady, KVSend, KVSetup, KVSetupReply
+from pdserve.kv_transfer.wire import KVReadDone, KVReady, KVSend, KVSetup, KVSetupReply
+from zmq.utils.monitor import parse_monitor_message
+
 from pdserve.messages import (
     KVAck,
     KVBlocks,

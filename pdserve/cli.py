@@ -84,9 +84,9 @@ def _cmd_node(args: argparse.Namespace) -> None:
 
     node = config_from_args(NodeConfig, args)
     if node.role == "prefill":
-        from prefill_node.server import create_app
+        from pdserve.prefill_node.server import create_app
     else:  # decode, or both: a decode node that also prefills for others
-        from decode_node.server import create_app
+        from pdserve.decode_node.server import create_app
     app = create_app(EngineConfig.from_kwargs(**engine_kwargs(args)), node)
     print(f"pdserve {node.role} node: http://{node.host}:{node.port}", file=sys.stderr, flush=True)
     uvicorn.run(app, host=node.host, port=node.port, log_level="warning", timeout_graceful_shutdown=5)
@@ -121,9 +121,9 @@ def _cmd_generate(args: argparse.Namespace) -> None:
 
 
 def _cmd_proxy(args: argparse.Namespace) -> None:
-    from proxy.config import ProxyConfig
-    from proxy.router import ClusterError
-    from proxy.server import serve
+    from pdserve.proxy.config import ProxyConfig
+    from pdserve.proxy.router import ClusterError
+    from pdserve.proxy.server import serve
 
     config = config_from_args(ProxyConfig, args)
     print(f"pdserve proxy: http://{config.host}:{config.port}/v1", file=sys.stderr, flush=True)
@@ -216,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     node.set_defaults(func=_cmd_node)
 
     from pdserve.cluster import ClusterConfig
-    from proxy.config import ProxyConfig
+    from pdserve.proxy.config import ProxyConfig
 
     proxy = sub.add_parser("proxy", help="run the OpenAI-compatible proxy in front of running nodes")
     add_config_args(proxy, (ProxyConfig,))

@@ -314,13 +314,17 @@ def run(cfg: ClusterConfig, engine_flags: list[str], model: ModelConfig) -> int:
     def _terminate(signum, frame):
         raise KeyboardInterrupt
 
+    # SIGINT too: a shell starts a backgrounded `pdserve up` with SIGINT ignored, and Python then
+    # leaves it ignored.
     signal.signal(signal.SIGTERM, _terminate)
+    signal.signal(signal.SIGINT, _terminate)
     try:
         url = cluster.start()
         names = ", ".join(c.role for c in cluster.children)
         print(f"pdserve is up: OpenAI API at {url}/v1 ({names}; logs in {cluster.log_dir})", flush=True)
         return cluster.wait()
     except KeyboardInterrupt:
+        print("pdserve: stopping: the proxy finishes its streams, then the nodes drain", flush=True)
         return 0
     except RuntimeError as e:
         print(f"pdserve up failed: {e}", file=sys.stderr)

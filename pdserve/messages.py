@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from pdserve.sampler import TokenLogprobs
+from pdserve.logprobs import TokenLogprobs
 from pdserve.sampling_params import SamplingParams
 
 T = TypeVar("T")

@@ -37,8 +37,7 @@ from dataclasses import dataclass
 import redis
 import redis.asyncio
 
-from pdserve.block_pool import BlockEvent
-from pdserve.hashing import BlockHash
+from pdserve.hashing import BlockEvent, BlockHash
 
 logger = logging.getLogger(__name__)
 

@@ -31,11 +31,15 @@ import time
 from concurrent.futures import Future
 
 from fastapi import FastAPI, Request
+from pdserve.kv_transfer import KVTransferError
 
-import kv_transfer
-from kv_transfer import KVTransferError
+from pdserve import kv_transfer
 from pdserve.config import EngineConfig, NodeConfig
-from pdserve.engine import LLMEngine
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.request import Request as EngineRequest
+from pdserve.engine.request import RequestStatus
+from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.messages import (
     KVCommit,
     LandingDescriptor,
@@ -43,7 +47,7 @@ from pdserve.messages import (
     PrefillRequest,
     PrefillResult,
 )
-from pdserve.node import (
+from pdserve.node.framework import (
     NodeService,
     NodeState,
     check_token,
@@ -51,10 +55,6 @@ from pdserve.node import (
     node_app,
     read_message,
 )
-from pdserve.outputs import RequestOutput
-from pdserve.request import Request as EngineRequest
-from pdserve.request import RequestStatus
-from pdserve.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -352,10 +352,13 @@ def add_prefill_routes(app: FastAPI, service: PrefillService) -> None:
         except KVTransferError as e:
             return msgpack_response(fail(msg, str(e)), 502)
         except asyncio.CancelledError:  # the proxy hung up
-            state.loop.unsubscribe(rid)
             service.transfers.pop(rid, None)
             state.loop.submit(lambda e: state.end_request(rid, RequestStatus.FINISHED_ABORTED, "proxy gone"))
             raise
+        finally:
+            # This handler is the slot's only reader: once it returns, nothing reads the slot, and a
+            # slot left behind would hold the node's drain until it expires.
+            state.loop.unsubscribe(rid)
         return msgpack_response(
             PrefillResult(request_id=rid, ok=True, num_cached_tokens=out.num_cached_tokens)
         )

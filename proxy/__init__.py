@@ -8,8 +8,8 @@ policies), ``node_client`` (the nodes' internal API), ``dispatch`` (one request'
 through a decode and a prefill node), ``app`` (handlers), ``server`` (uvicorn).
 """
 
-from proxy.config import ProxyConfig
-from proxy.router import ClusterError
+from pdserve.proxy.config import ProxyConfig
+from pdserve.proxy.router import ClusterError
 
 __all__ = ["ClusterError", "ProxyConfig", "ProxyServer", "create_app", "serve"]
 
@@ -17,11 +17,11 @@ __all__ = ["ClusterError", "ProxyConfig", "ProxyServer", "create_app", "serve"]
 def __getattr__(name: str):
     # The app pulls in FastAPI, torch and transformers; import it only when asked.
     if name == "create_app":
-        from proxy.app import create_app
+        from pdserve.proxy.app import create_app
 
         return create_app
     if name in ("serve", "ProxyServer"):
-        from proxy import server
+        from pdserve.proxy import server
 
         return getattr(server, name)
     raise AttributeError(f"module 'proxy' has no attribute {name!r}")

@@ -128,7 +128,7 @@ class ProxyConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.default_max_tokens < 1:
             raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
-        from proxy.router import POLICIES
+        from pdserve.proxy.router import POLICIES
 
         if self.routing not in POLICIES:
             raise ValueError(f"unknown routing {self.routing!r}; choose one of {sorted(POLICIES)}")

@@ -37,6 +37,9 @@ from collections.abc import Coroutine
 from typing import Any
 
 import msgspec
+from pdserve.proxy.node_client import NodeError
+from pdserve.proxy.protocol import ProxyError
+from pdserve.proxy.router import NodeState, Router, RouteRequest
 
 from pdserve.messages import (
     LandingDescriptor,
@@ -48,9 +51,6 @@ from pdserve.messages import (
 )
 from pdserve.metrics import LATENCY_BUCKETS, Registry
 from pdserve.sampling_params import SamplingParams
-from proxy.node_client import NodeError
-from proxy.protocol import ProxyError
-from proxy.router import NodeState, Router, RouteRequest
 
 logger = logging.getLogger(__name__)
 

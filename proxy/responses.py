@@ -14,10 +14,7 @@ import json
 from typing import Any
 
 import msgspec
-from pydantic import BaseModel
-
-from pdserve.messages import LogprobsMsg, TokenEvent
-from proxy.protocol import (
+from pdserve.proxy.protocol import (
     AssistantMessage,
     ChatChoice,
     ChatChoiceLogprobs,
@@ -33,6 +30,9 @@ from proxy.protocol import (
     Usage,
     make_usage,
 )
+from pydantic import BaseModel
+
+from pdserve.messages import LogprobsMsg, TokenEvent
 
 SSE_DONE = b"data: [DONE]\n\n"
 _MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps the same way

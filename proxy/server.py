@@ -28,12 +28,11 @@ import time
 from types import FrameType
 
 import uvicorn
+from pdserve.proxy.app import Proxy, create_app
+from pdserve.proxy.config import ProxyConfig
+from pdserve.proxy.protocol import error_body
+from pdserve.proxy.responses import SSE_DONE, sse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
-
-from proxy.app import Proxy, create_app
-from proxy.config import ProxyConfig
-from proxy.protocol import error_body
-from proxy.responses import SSE_DONE, sse
 
 logger = logging.getLogger(__name__)
 

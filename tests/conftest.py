@@ -35,10 +35,10 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    """The fault-injection suite's table (tests/faults.py), when its scenarios ran."""
+    """The fault-injection suite's table (pdserve/benchmarks/faults.py), when its scenarios ran."""
     import sys
 
-    faults = sys.modules.get("tests.faults")
+    faults = sys.modules.get("pdserve.benchmarks.faults")
     if faults is None or not faults.RESULTS:
         return
     terminalreporter.section("fault injection: every request ends, no block leaks")

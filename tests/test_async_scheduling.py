@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine import LLMEngine
-from pdserve.outputs import RequestOutput
-from pdserve.sampler import PendingSample
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.sampler import PendingSample
 
 
 def _run(llm: LLM, async_scheduling: bool, prompts, params) -> list[RequestOutput]:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.block_pool import BlockEvent, BlockPool
-from pdserve.hashing import hash_block_chain
+from pdserve.engine.block_pool import BlockPool
+from pdserve.hashing import BlockEvent, hash_block_chain
 
 
 def H(i: int) -> bytes:

@@ -210,8 +210,8 @@ def test_prefill_queue_longer_than_the_lease_still_serves(cluster):
     """The prefill node renews decode leases while prompts wait in its queue."""
     import asyncio
 
-    from proxy.config import ProxyConfig
-    from proxy.server import ProxyServer
+    from pdserve.proxy.config import ProxyConfig
+    from pdserve.proxy.server import ProxyServer
 
     prefill = [x.url for x in _nodes(cluster, "prefill")]
     decode = [x.url for x in _nodes(cluster, "decode")]

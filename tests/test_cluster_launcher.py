@@ -1,13 +1,16 @@
-"""`pdserve up` as a process: a launcher killed with SIGKILL takes its nodes and proxy with it."""
+"""`pdserve up` as a process: a launcher killed with SIGKILL takes its nodes and proxy with it; SIGINT
+after traffic ends the cluster within seconds."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from pdserve.cluster import free_port
@@ -61,6 +64,57 @@ def test_killed_launcher_leaves_no_processes(tmp_path):
         while any(alive(k) for k in kids):
             assert time.monotonic() < deadline, f"left behind: {[k for k in kids if alive(k)]}"
             time.sleep(0.2)
+    finally:
+        if up.poll() is None:
+            up.kill()
+
+
+def test_up_exits_promptly_after_serving(tmp_path):
+    """After 20 requests, SIGINT to `pdserve up` ends it within 5 s. The launcher SIGTERMs the
+    proxy, then both nodes, waiting for each in turn (it would SIGKILL only after 45 s), so every
+    node also drained and exited within 5 s of its SIGTERM. (A prefill node kept each prompt's
+    output slot after it was read and waited its 30 s drain timeout out: ~37 s.)"""
+    port = free_port()
+    up = subprocess.Popen(
+        [sys.executable, "-m", "pdserve", "up", "--port", str(port), "--model", "random:tiny"]
+        + ["--threads-per-node", "1", "--redis-url", "none", "--log-dir", str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert up.poll() is None, "pdserve up exited"
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "cluster did not come up"
+            time.sleep(0.5)
+        kids = children_of(up.pid)
+        body = {"model": "random:tiny", "prompt": "hello there", "max_tokens": 4, "temperature": 0}
+
+        def one(i: int) -> int:
+            data = json.dumps({**body, "stream": i % 2 == 0}).encode()
+            req = urllib.request.Request(
+                f"http://127.0.0.1:{port}/v1/completions", data, {"Content-Type": "application/json"}
+            )
+            with urllib.request.urlopen(req, timeout=60) as r:
+                r.read()
+                return r.status
+
+        with ThreadPoolExecutor(4) as pool:
+            assert list(pool.map(one, range(20))) == [200] * 20
+        started = time.monotonic()
+        os.kill(up.pid, signal.SIGINT)
+        up.wait(timeout=30)
+        took = time.monotonic() - started
+        assert took < 5.0, f"pdserve up took {took:.1f} s to exit after SIGINT"
+        assert not any(alive(k) for k in kids)
+        assert "stopping" in up.stdout.read()
     finally:
         if up.poll() is None:
             up.kill()

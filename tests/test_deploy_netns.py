@@ -66,7 +66,7 @@ def reference(default_model_dir):
 
 def _routing() -> str:
     # The Redis-backed policy once the proxy has it; until then load-based routing.
-    from proxy.router import POLICIES
+    from pdserve.proxy.router import POLICIES
 
     return "prefix-aware" if "prefix-aware" in POLICIES else "least-loaded"
 

@@ -237,7 +237,7 @@ def test_drain_timeout_ends_streams_with_an_error(cluster):
 
 def test_in_flight_middleware_ends_a_stream_with_an_error_event():
     """The proxy's drain, in process: a stream still running at the end gets an error and [DONE]."""
-    from proxy.server import InFlight
+    from pdserve.proxy.server import InFlight
 
     async def app(scope, receive, send):
         await send(

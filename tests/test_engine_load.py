@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pdserve.config import EngineConfig
-from pdserve.engine import LLMEngine
+from pdserve.engine.llm_engine import LLMEngine
 from pdserve.sampling_params import SamplingParams
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from pdserve.engine_loop import EngineLoop, error_output
+from pdserve.node.engine_loop import EngineLoop, error_output
 
 
 def test_final_output_before_the_reader_attaches_is_kept_for_it(monkeypatch):

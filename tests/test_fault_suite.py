@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests import faults
-from tests.faults import CI_SIZES as CI
-from tests.faults import ScenarioResult
+from pdserve.benchmarks import faults
+from pdserve.benchmarks.faults import CI_SIZES as CI
+from pdserve.benchmarks.faults import ScenarioResult
 
 
 @pytest.fixture(scope="module")

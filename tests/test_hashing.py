@@ -7,7 +7,6 @@ import os
 import struct
 import subprocess
 import sys
-from pathlib import Path
 
 from pdserve.hashing import hash_block, hash_block_chain, root_hash
 
@@ -115,15 +114,9 @@ def test_start_continuation_equals_full_recompute():
 
 
 def test_digests_do_not_depend_on_python_hash_seed():
-    # Load hashing.py by path: it needs only the standard library, and importing the
-    # pdserve package would pull in torch and cost seconds per subprocess.
-    path = Path(__file__).resolve().parents[1] / "pdserve" / "hashing.py"
+    # `import pdserve` is lazy: hashing loads with the standard library alone, no torch.
     code = (
-        "import importlib.util\n"
-        f"spec = importlib.util.spec_from_file_location('hashing', {str(path)!r})\n"
-        "m = importlib.util.module_from_spec(spec)\n"
-        "spec.loader.exec_module(m)\n"
-        "hash_block_chain, root_hash = m.hash_block_chain, m.root_hash\n"
+        "from pdserve.hashing import hash_block_chain, root_hash\n"
         f"print(root_hash({NAMESPACE!r}).hex())\n"
         f"print(' '.join(h.hex() for h in hash_block_chain(list(range(40)), 16, {NAMESPACE!r})))\n"
         "print(hash('pdserve'))\n"

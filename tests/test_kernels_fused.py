@@ -15,11 +15,11 @@ import random
 
 import pytest
 import torch
+from pdserve.kernels import rmsnorm as rn
+from pdserve.kernels import rotary as rt
 
-from kernels import rmsnorm as rn
-from kernels import rotary as rt
-from pdserve.models.arch import RopeConfig
-from pdserve.models.layers import RotaryEmbedding
+from pdserve.engine.models.arch import RopeConfig
+from pdserve.engine.models.layers import RotaryEmbedding
 from tests.sm90 import compile_for_sm90
 
 ON_GPU = torch.cuda.is_available()
@@ -151,7 +151,7 @@ def test_rotary_rejects_bad_layout():
 
 
 def _force_fused_path(monkeypatch):
-    from pdserve.models import layers, llama
+    from pdserve.engine.models import layers, llama
 
     monkeypatch.setattr(layers, "use_fused_kernels", lambda x: True)
     monkeypatch.setattr(llama, "use_fused_kernels", lambda x: True)
@@ -190,7 +190,7 @@ class _Counting:
 # --------------------------------------------------------------------------------------------
 
 FUSED_SM90 = r"""
-from kernels import rmsnorm as rn, rotary as rt
+from pdserve.kernels import rmsnorm as rn, rotary as rt
 
 for dtype in ("bf16", "fp16", "fp32"):
     for n in (4096, 576, 100):

@@ -7,9 +7,8 @@ import random
 
 import pytest
 import torch
-
-from kernels.kv_write import write_kv_ref
-from kernels.paged_attention import paged_attention_ref
+from pdserve.kernels.kv_write import write_kv_ref
+from pdserve.kernels.paged_attention import paged_attention_ref
 
 
 def dense_attention(q, k, v, scale):

@@ -12,7 +12,7 @@ contexts and the split-K decode path at 8k.
 ``os.getenv``; the launch does not look again). That covers triton's own ``@jit`` helpers too
 (``tl.zeros``, ``tl.sum``, ``tl.max``, ``tl.cdiv`` ...), decorated when ``triton.language`` is
 first imported. Pytest imports test modules in collection order, and ``tests/test_kernels_ref.py``
-and ``pdserve.attention`` import ``kernels.*`` (hence triton) earlier, so setting the variable here
+and ``pdserve.engine.attention`` import ``kernels.*`` (hence triton) earlier, so setting the variable here
 can be too late; conftest.py should set it before anything imports triton. Until then, on CPU this
 module swaps the compiled-mode ``@jit`` objects of ``triton.language`` and of our kernel modules
 for interpreted ones (:func:`_interpret_kernels`); a no-op when the variable was set in time.
@@ -32,9 +32,9 @@ import sys  # noqa: E402
 from types import ModuleType  # noqa: E402
 
 import pytest  # noqa: E402
+from pdserve.kernels import block_copy, kv_write  # noqa: E402
+from pdserve.kernels import paged_attention as pa  # noqa: E402
 
-from kernels import block_copy, kv_write  # noqa: E402
-from kernels import paged_attention as pa  # noqa: E402
 from tests.sm90 import compile_for_sm90  # noqa: E402
 
 ON_GPU = torch.cuda.is_available()
@@ -288,7 +288,7 @@ def test_decode_partition_heuristic():
 # --------------------------------------------------------------------------------------------
 
 KERNELS_SM90 = r"""
-from kernels import block_copy, kv_write, paged_attention as pa
+from pdserve.kernels import block_copy, kv_write, paged_attention as pa
 
 PTR = {"block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_ptr": "*i32", "slot_ptr": "*i64",
        "ids_ptr": "*i64", "part_out_ptr": "*fp32", "part_ml_ptr": "*fp32"}

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.kv_cache_manager import KVCacheManager
-from pdserve.request import Request
+from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.request import Request
 from pdserve.sampling_params import SamplingParams
 
 BS = 4

@@ -19,8 +19,8 @@ import msgspec
 import pytest
 import torch
 import zmq
+from pdserve.kv_transfer.wire import KVSetup, KVSetupReply
 
-from kv_transfer.wire import KVSetup, KVSetupReply
 from pdserve.cluster import ClusterConfig, LocalCluster, free_port
 from pdserve.config import ModelConfig
 from pdserve.messages import (

@@ -14,9 +14,9 @@ import time
 import msgspec
 import pytest
 import torch
+from pdserve.kv_transfer import KVRefused, KVTransferError, ReservationTable
 
-import kv_transfer
-from kv_transfer import KVRefused, KVTransferError, ReservationTable
+from pdserve import kv_transfer
 from pdserve.messages import KVCommit, NodeInfo
 
 L, NB, BS, H, D = 3, 16, 4, 2, 8
@@ -43,15 +43,15 @@ def _forced_ways(request, monkeypatch):
     callspec = getattr(request.node, "callspec", None)
     params = callspec.params.values() if callspec is not None else ()
     if "nccl-direct" in params:
-        import kv_transfer.nccl_backend
+        from pdserve.kv_transfer import nccl_backend
 
-        monkeypatch.setattr(kv_transfer.nccl_backend, "DIRECT_ON_CPU", True)
-        monkeypatch.setattr(kv_transfer.nccl_backend, "DIRECT_MIN_RUN_BYTES", 0)
+        monkeypatch.setattr(nccl_backend, "DIRECT_ON_CPU", True)
+        monkeypatch.setattr(nccl_backend, "DIRECT_MIN_RUN_BYTES", 0)
     if "nixl-packed" in params:
-        import kv_transfer.nixl_backend
+        from pdserve.kv_transfer import nixl_backend
 
-        monkeypatch.setattr(kv_transfer.nixl_backend, "PACK_ON_CPU", True)
-        monkeypatch.setattr(kv_transfer.nixl_backend, "DESCRIPTORS_PER_PIECE", 0)
+        monkeypatch.setattr(nixl_backend, "PACK_ON_CPU", True)
+        monkeypatch.setattr(nixl_backend, "DESCRIPTORS_PER_PIECE", 0)
 
 
 def info(node_id: str, **kw) -> NodeInfo:
@@ -305,7 +305,7 @@ def test_commit_refuses_kv_still_in_flight():
 
 @pytest.mark.parametrize("max_bytes", [0, 2 * 64, 3 * 64])
 def test_coalesce_runs_contiguous_on_both_sides(max_bytes):
-    from kv_transfer.base import coalesce
+    from pdserve.kv_transfer.base import coalesce
 
     slab = 64  # bytes per (layer, block) slab; caches of 2 layers, 8 (source) and 6 (destination) blocks
     src, dst, lengths = coalesce([3, 4, 5, 7], [0, 1, 2, 3], 0, 2, 8, 6, slab)
@@ -456,13 +456,12 @@ def test_sender_killed_mid_prompt_leaves_an_uncommitted_lease(name):
 def test_many_chunks_in_flight_stay_in_step(name, monkeypatch):
     """One layer per chunk: nccl posts chunk k+1's recv before landing chunk k, nixl cuts its READ
     into descriptors of a few slabs; a refused chunk in the middle fails only its request."""
-    import kv_transfer.nccl_backend
-    import kv_transfer.nixl_backend
+    from pdserve.kv_transfer import nccl_backend, nixl_backend
 
     src = torch.randn(L, NB, 2, BS, H, D)
     region = src[0, 0].numel() * 4
-    monkeypatch.setattr(kv_transfer.nccl_backend, "CHUNK_BYTES", 10 * region)
-    monkeypatch.setattr(kv_transfer.nixl_backend, "MAX_DESC_BYTES", 3 * region)
+    monkeypatch.setattr(nccl_backend, "CHUNK_BYTES", 10 * region)
+    monkeypatch.setattr(nixl_backend, "MAX_DESC_BYTES", 3 * region)
     r = Receiver(name)
     sender = make_sender(name, src)
     try:
@@ -485,8 +484,8 @@ def test_many_chunks_in_flight_stay_in_step(name, monkeypatch):
 def test_nccl_moves_long_runs_in_place_and_gathers_fragments(monkeypatch):
     """The sender's choice per send: blocks consecutive in both caches move straight out of the
     cache (no copy); fragmented ones are gathered first (one op instead of one per block)."""
-    import kv_transfer.nccl_backend as nb
-    from kv_transfer.base import block_runs
+    import nccl_backend as nb
+    from pdserve.kv_transfer.base import block_runs
 
     assert block_runs([4, 5, 6, 9, 10], [0, 1, 2, 3, 4]) == [(4, 0, 3), (9, 3, 2)]
     assert block_runs([4, 5, 6], [0, 2, 3]) == [(4, 0, 1), (5, 2, 2)]

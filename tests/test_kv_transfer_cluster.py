@@ -8,8 +8,7 @@ import time
 import httpx
 import pytest
 
-import kv_transfer
-from pdserve import LLM, SamplingParams
+from pdserve import LLM, SamplingParams, kv_transfer
 from pdserve.cluster import ClusterConfig, LocalCluster, free_port
 from pdserve.config import ModelConfig
 from pdserve.messages import NodeLoad, decode

@@ -13,9 +13,9 @@ import time
 
 import pytest
 import torch
+from pdserve.kv_transfer import KVTransferError, ReservationTable
 
-import kv_transfer
-from kv_transfer import KVTransferError, ReservationTable
+from pdserve import kv_transfer
 from pdserve.messages import KVCommit, NodeInfo
 
 pytestmark = pytest.mark.gpu
@@ -85,12 +85,12 @@ class Remote:
 def gpu_pair(request, monkeypatch):
     name = request.param
     if name == "nccl-direct":  # every send straight from cache to cache, whatever its runs
-        from kv_transfer import nccl_backend
+        from pdserve.kv_transfer import nccl_backend
 
         monkeypatch.setattr(nccl_backend, "DIRECT_MIN_RUN_BYTES", 0)
         name = "nccl"
     if name == "nixl-packed":  # every send gathered into staging slots, READ, scattered
-        from kv_transfer import nixl_backend
+        from pdserve.kv_transfer import nixl_backend
 
         monkeypatch.setattr(nixl_backend, "DESCRIPTORS_PER_PIECE", 0)
         name = "nixl"

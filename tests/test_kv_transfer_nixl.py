@@ -15,9 +15,9 @@ from concurrent.futures import Future
 
 import pytest
 import torch
+from pdserve.kv_transfer import KVTransferError, ReservationTable
 
-import kv_transfer
-from kv_transfer import KVTransferError, ReservationTable
+from pdserve import kv_transfer
 from pdserve.messages import KVCommit, NodeInfo
 
 nixl_only = pytest.mark.skipif("nixl" not in kv_transfer.available_transports(), reason="nixl not installed")
@@ -91,7 +91,7 @@ def test_non_contiguous_ids_and_caches_of_different_sizes():
 def test_cuda_ipc_reads_are_turned_on_unless_the_operator_chose(monkeypatch):
     """UCX leaves CUDA IPC READs off without NVLink (one GPU, PCIe): the agents turn them on, since
     the decode node READs, but an operator's own UCX_CUDA_IPC_ENABLE_GET_ZCOPY stands."""
-    from kv_transfer.nixl_backend import _agent
+    from pdserve.kv_transfer.nixl_backend import _agent
 
     monkeypatch.delenv("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", raising=False)
     _agent("test", "", "")
@@ -135,9 +135,9 @@ def test_release_mid_read_waits_for_it_and_the_sender_holds_its_blocks_until_the
     over, nothing lands after it, and the sender's future resolves only after the READ ended (the
     prefill node frees its source blocks then). Blocks in order are READ in place; shuffled ones
     are packed into staging slots, READ and scattered (the scatter, too, happens pinned)."""
-    import kv_transfer.nixl_backend
+    from pdserve.kv_transfer import nixl_backend
 
-    monkeypatch.setattr(kv_transfer.nixl_backend, "PACK_ON_CPU", True)  # as on CUDA
+    monkeypatch.setattr(nixl_backend, "PACK_ON_CPU", True)  # as on CUDA
     pair = Pair(LARGE, src_blocks=512, dst_blocks=512)
     ids = list(range(512))
     if order == "packed":
@@ -182,12 +182,12 @@ def test_packed_sends_larger_than_the_staging_pools(monkeypatch):
     """Fragmented blocks are packed into staging slots; a send of more pieces than either node has
     slots takes them in turns (the sender waits for its own READs, the receiver queues READs until
     a slot is free), and sends from several threads share the slots."""
-    import kv_transfer.nixl_backend as nb
-    import kv_transfer.staging
+    import nixl_backend as nb
+    from pdserve.kv_transfer import staging
 
     slab = 2 * SMALL[2] * SMALL[1] * SMALL[3] * 4
-    monkeypatch.setattr(kv_transfer.staging, "STAGE_SLOTS", 2)
-    monkeypatch.setattr(kv_transfer.staging, "STAGE_SLOT_BYTES", 5 * slab)  # 5 blocks of one layer
+    monkeypatch.setattr(staging, "STAGE_SLOTS", 2)
+    monkeypatch.setattr(staging, "STAGE_SLOT_BYTES", 5 * slab)  # 5 blocks of one layer
     kv = cache(SMALL, 64, fill=False)  # 3 layers
     monkeypatch.setattr(nb, "DESCRIPTORS_PER_PIECE", 3)
     assert not nb.packs(kv, [4, 9, 2], [0, 1, 2], pieces=1)  # DRAM: in place
@@ -241,12 +241,12 @@ def test_packed_sends_larger_than_the_staging_pools(monkeypatch):
 def test_packed_reads_outside_the_staging_region_are_refused(monkeypatch):
     """A packed KVReady may only name bytes inside the sender's registered staging region, and no
     more than one of this node's slots."""
-    import kv_transfer.staging
-    from kv_transfer.nixl_backend import _Remote
-    from kv_transfer.wire import KVReady
+    from pdserve.kv_transfer import staging
+    from pdserve.kv_transfer.nixl_backend import _Remote
+    from pdserve.kv_transfer.wire import KVReady
 
     slab = 2 * SMALL[2] * SMALL[1] * SMALL[3] * 4
-    monkeypatch.setattr(kv_transfer.staging, "STAGE_SLOT_BYTES", 4 * slab)
+    monkeypatch.setattr(staging, "STAGE_SLOT_BYTES", 4 * slab)
     pair = Pair(SMALL, src_blocks=16, dst_blocks=16)
     try:
         plane = pair.receiver.planes["nixl"]
@@ -280,9 +280,9 @@ def _prefill_child(address: str, conn) -> None:
 
 @nixl_only
 def test_prefill_node_killed_mid_read(monkeypatch):
-    import kv_transfer.nixl_backend
+    from pdserve.kv_transfer import nixl_backend
 
-    monkeypatch.setattr(kv_transfer.nixl_backend, "MAX_READ_S", 3.0)
+    monkeypatch.setattr(nixl_backend, "MAX_READ_S", 3.0)
     dst = cache(LARGE, 512, fill=False)
     table = ReservationTable(LARGE[0])
     commits: list[KVCommit] = []
@@ -360,7 +360,7 @@ class _Loop:
 @pytest.fixture(scope="module")
 def engine():
     from pdserve.config import EngineConfig
-    from pdserve.engine import LLMEngine
+    from pdserve.engine.llm_engine import LLMEngine
 
     config = EngineConfig.from_kwargs(
         model="random:tiny", num_kv_blocks=32, block_size=16, max_model_len=256, num_threads=1
@@ -370,9 +370,10 @@ def engine():
 
 @pytest.mark.parametrize("case", ["done", "aborted", "aborted, done at once", "done, aborted at once"])
 def test_prefill_service_frees_the_blocks_only_when_the_send_is_over(engine, case):
+    from pdserve.prefill_node.server import PrefillService
+
     from pdserve.messages import LandingDescriptor
     from pdserve.sampling_params import SamplingParams
-    from prefill_node.server import PrefillService
 
     loop = _Loop()
     state = types.SimpleNamespace(

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pdserve import LLM, SamplingParams
-from pdserve.models.loader import WeightError
+from pdserve.engine.models.loader import WeightError
 
 
 def test_random_tiny_preset_generates():

@@ -8,8 +8,7 @@ import time
 import pytest
 import redis
 
-from pdserve.block_pool import BlockEvent
-from pdserve.hashing import hash_block_chain
+from pdserve.hashing import BlockEvent, hash_block_chain
 from pdserve.prefix_index import (
     IndexPublisher,
     IndexUnavailable,

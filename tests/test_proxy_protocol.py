@@ -6,9 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from pdserve.messages import LogprobsMsg, TokenEvent
-from proxy.protocol import (
+from pdserve.proxy.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     ProxyError,
@@ -19,7 +17,9 @@ from proxy.protocol import (
     sampling_params,
     single_prompt,
 )
-from proxy.responses import SSE_DONE, ChatBuilder, CompletionBuilder, TokenStrings, sse
+from pdserve.proxy.responses import SSE_DONE, ChatBuilder, CompletionBuilder, TokenStrings, sse
+
+from pdserve.messages import LogprobsMsg, TokenEvent
 
 MAX_LEN = 100
 CAP = 32
@@ -446,7 +446,7 @@ def test_sse_of_errors():
 )
 @pytest.mark.parametrize("finish", [(None, None), ("stop", 9), ("stop", "###"), ("length", None)])
 def test_spliced_chunks_equal_the_models(text, finish):
-    from proxy.protocol import (
+    from pdserve.proxy.protocol import (
         ChatChunkChoice,
         ChatCompletionChunk,
         CompletionChoice,

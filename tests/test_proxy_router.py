@@ -4,9 +4,17 @@ from __future__ import annotations
 
 import httpx
 import pytest
+from pdserve.proxy.router import (
+    ClusterError,
+    LeastLoaded,
+    PrefixAware,
+    RoundRobin,
+    Router,
+    RouteRequest,
+    mismatches,
+)
 
 from pdserve.messages import NodeInfo, NodeLoad
-from proxy.router import ClusterError, LeastLoaded, PrefixAware, RoundRobin, Router, RouteRequest, mismatches
 
 
 def info(role: str, **kw) -> NodeInfo:
@@ -142,8 +150,9 @@ def test_prefix_aware_decode_ranking_is_cached_prefix_within_load_slack():
 
 
 def test_conditional_disaggregation_plan():
+    from pdserve.proxy.dispatch import Dispatcher
+
     from pdserve.metrics import Registry
-    from proxy.dispatch import Dispatcher
 
     r = Router(["http://p0"], ["http://d0"], httpx.AsyncClient(), both_urls=["http://b0"])
     for node, i in zip(r.nodes, [info("prefill"), info("decode", node_id="d0"), info("both", node_id="b0")]):

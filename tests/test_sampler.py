@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from pdserve.sampler import (
+from pdserve.engine.sampler import (
     Sampler,
     SamplerOutput,
     SamplingRow,

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from pdserve.engine import find_stop_string
+from pdserve.engine.llm_engine import find_stop_string
 from pdserve.tokenizer import IncrementalDetokenizer, load_tokenizer
 
 

@@ -1,5 +1,7 @@
-"""Our top-level `kernels` package must never be taken for Hugging Face's `kernels`,
-and the GGUF conversion of the default model must keep working beside it."""
+"""Our `pdserve.kernels` package must never be taken for Hugging Face's `kernels` (which
+transformers probes), and the GGUF conversion of the default model must keep working beside it.
+A source checkout on PYTHONPATH (as on air-gapped GPU hosts) still exposes a top-level folder
+named `kernels`, so these run that way."""
 
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_transformers_does_not_take_our_kernels_for_hf_kernels():
     code = (
-        "import kernels, transformers\n"
+        "import transformers\n"
+        "from pdserve import kernels\n"
         "from transformers.utils.import_utils import is_kernels_available\n"
         "assert kernels.__file__.startswith(%r), kernels.__file__\n"
         "assert not hasattr(kernels, '__version__')\n"
@@ -30,7 +33,7 @@ def test_transformers_does_not_take_our_kernels_for_hf_kernels():
 def test_gguf_conversion_beside_our_kernels(tmp_path):
     """A fresh conversion (own cache dir) with our `kernels` importable, then a load of the result."""
     code = (
-        "import kernels\n"
+        "from pdserve import kernels\n"
         "from pdserve import LLM, SamplingParams\n"
         "llm = LLM(num_threads=1)\n"
         "out = llm.generate('The capital of France is', SamplingParams(temperature=0, max_tokens=4))\n"

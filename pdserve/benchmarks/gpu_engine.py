@@ -45,10 +45,10 @@ from pdserve.benchmarks.offline import (
     _timed,
 )
 from pdserve.config import EngineConfig
-from pdserve.engine import LLMEngine
-from pdserve.llm import LLM
-from pdserve.models import _PRESETS
-from pdserve.models.loader import load_named_tensors
+from pdserve.engine.llm import LLM
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.models.loader import load_named_tensors
+from pdserve.model_source import _PRESETS
 
 TARGETS = {
     "decode_batch1_share_of_hbm_roofline": 0.70,

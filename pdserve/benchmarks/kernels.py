@@ -165,7 +165,7 @@ def _max_err(got: torch.Tensor, expect: torch.Tensor) -> float:
 
 
 def bench_decode(setup: Setup, timer: Timer, device: torch.device) -> list[dict]:
-    from kernels import paged_attention as pa
+    from pdserve.kernels import paged_attention as pa
 
     rows = []
     itemsize = torch.empty((), dtype=setup.dtype).element_size()
@@ -225,7 +225,7 @@ def bench_prefill(setup: Setup, timer: Timer, device: torch.device) -> list[dict
     import torch.nn.functional as F
     from torch.nn.attention.bias import causal_lower_right
 
-    from kernels import paged_attention as pa
+    from pdserve.kernels import paged_attention as pa
 
     rows = []
     rep = setup.num_heads // setup.num_kv_heads
@@ -277,7 +277,7 @@ def bench_prefill(setup: Setup, timer: Timer, device: torch.device) -> list[dict
 
 
 def bench_write_kv(setup: Setup, timer: Timer, device: torch.device) -> list[dict]:
-    from kernels.kv_write import write_kv, write_kv_ref
+    from pdserve.kernels.kv_write import write_kv, write_kv_ref
 
     rows = []
     for tokens in setup.write_tokens:
@@ -324,7 +324,12 @@ def bench_write_kv(setup: Setup, timer: Timer, device: torch.device) -> list[dic
 
 
 def bench_block_copy(setup: Setup, timer: Timer, device: torch.device) -> list[dict]:
-    from kernels.block_copy import gather_blocks, gather_blocks_ref, scatter_blocks, scatter_blocks_ref
+    from pdserve.kernels.block_copy import (
+        gather_blocks,
+        gather_blocks_ref,
+        scatter_blocks,
+        scatter_blocks_ref,
+    )
 
     rows = []
     most = max(setup.copy_blocks)

@@ -103,12 +103,12 @@ def _nixl_run(agent, op: str, local, remote, remote_name: str) -> str:
 
 def _set_staging(slots: tuple[int, int]) -> None:
     """Staging slots (number, bytes) for the pools created from here on (0: the default)."""
-    import kv_transfer.staging
+    from pdserve.kv_transfer import staging
 
     if slots[0]:
-        kv_transfer.staging.STAGE_SLOTS = slots[0]
+        staging.STAGE_SLOTS = slots[0]
     if slots[1]:
-        kv_transfer.staging.STAGE_SLOT_BYTES = slots[1]
+        staging.STAGE_SLOT_BYTES = slots[1]
 
 
 def _receiver(
@@ -121,13 +121,13 @@ def _receiver(
     max_desc_bytes: int,
     slots: tuple[int, int],
 ) -> None:
-    import kv_transfer
-    from kv_transfer import ReservationTable
+    from pdserve import kv_transfer
+    from pdserve.kv_transfer import ReservationTable
 
     if max_desc_bytes and "nixl" in transports:
-        import kv_transfer.nixl_backend
+        from pdserve.kv_transfer import nixl_backend
 
-        kv_transfer.nixl_backend.MAX_DESC_BYTES = max_desc_bytes  # the decode side builds the READs
+        nixl_backend.MAX_DESC_BYTES = max_desc_bytes  # the decode side builds the READs
     _set_staging(slots)
     torch.set_num_threads(1)
     if device.startswith("cuda"):
@@ -236,10 +236,8 @@ def _time_transport(remote, sender, address, shape, n: int, repeats: int, tag: s
 
 
 def run(args: argparse.Namespace) -> dict:
-    import kv_transfer
-    import kv_transfer.nccl_backend
-    import kv_transfer.nixl_backend
-    import kv_transfer.staging
+    from pdserve import kv_transfer
+    from pdserve.kv_transfer import nccl_backend, nixl_backend, staging
 
     cuda = args.device == "cuda"
     load_average = os.getloadavg()[0]  # other work on the machine moves CPU figures
@@ -311,7 +309,6 @@ def run(args: argparse.Namespace) -> dict:
             seconds = _time_transport(remote, sender, address, shape, n, repeats, name + "-s", shuffled)
             row[f"pdserve_{name}_shuffled_gb_s"] = nbytes / seconds / 1e9
         if "nccl" in senders and cuda:  # both of nccl's ways, whichever it would pick
-            nccl_backend = kv_transfer.nccl_backend
             picked = nccl_backend.DIRECT_MIN_RUN_BYTES
             for mode, threshold in (("direct", 0), ("staged", 1 << 62)):
                 nccl_backend.DIRECT_MIN_RUN_BYTES = threshold
@@ -319,7 +316,6 @@ def run(args: argparse.Namespace) -> dict:
                 row[f"pdserve_nccl_{mode}_gb_s"] = nbytes / seconds / 1e9
             nccl_backend.DIRECT_MIN_RUN_BYTES = picked
         if "nixl" in senders and cuda:  # both of nixl's ways, in order and shuffled
-            nixl_backend = kv_transfer.nixl_backend
             picked = nixl_backend.DESCRIPTORS_PER_PIECE
             shuffled = torch.randperm(n, generator=torch.Generator().manual_seed(n)).tolist()
             for mode, threshold in (("inplace", 1 << 62), ("packed", 0)):
@@ -460,9 +456,9 @@ def run(args: argparse.Namespace) -> dict:
         "raw_tcp: one socket, sendall into recv_into. GB/s = bytes / median time.",
         "repeats": repeats,
         "nixl_max_desc_bytes": max_desc_bytes,
-        "nccl_direct_min_run_bytes": kv_transfer.nccl_backend.DIRECT_MIN_RUN_BYTES,
-        "nixl_descriptors_per_piece": kv_transfer.nixl_backend.DESCRIPTORS_PER_PIECE,
-        "staging_slots": [kv_transfer.staging.STAGE_SLOTS, kv_transfer.staging.STAGE_SLOT_BYTES],
+        "nccl_direct_min_run_bytes": nccl_backend.DIRECT_MIN_RUN_BYTES,
+        "nixl_descriptors_per_piece": nixl_backend.DESCRIPTORS_PER_PIECE,
+        "staging_slots": [staging.STAGE_SLOTS, staging.STAGE_SLOT_BYTES],
         "results": rows,
     }
     out = args.output or (

@@ -222,7 +222,7 @@ def _load_tokenizer(name: str):
         return None
     if name == "default":
         from pdserve.config import ModelConfig
-        from pdserve.models import resolve_model
+        from pdserve.model_source import resolve_model
 
         name = str(resolve_model(ModelConfig()).tokenizer_dir)
     from transformers import AutoTokenizer

@@ -1,11 +1,11 @@
 """The fault-injection suite at full size: ``python -m pdserve.benchmarks.soak --requests 2000``.
 
-Runs the scenarios of tests/faults.py (client aborts, dropped connections, slow and stalled KV
-transfers, kill -9 of Redis, the proxy, a prefill and a decode node) on one local cluster of
-2 prefill and 2 decode nodes with the default model, prints the summary table and writes the
-JSON report. ``--requests`` sizes the client-abort soak; each fault scenario sends a tenth of
-it (at least its CI size). Run it from the repository root (the harness lives in tests/). Exits
-1 if any request hung, any block leaked or the cluster stopped serving.
+Runs the scenarios of ``pdserve.benchmarks.faults`` (client aborts, dropped connections, slow and
+stalled KV transfers, kill -9 of Redis, the proxy, a prefill and a decode node) on one local
+cluster of 2 prefill and 2 decode nodes with the default model, prints the summary table and
+writes the JSON report. ``--requests`` sizes the client-abort soak; each fault scenario sends a
+tenth of it (at least its CI size). Exits 1 if any request hung, any block leaked or the cluster
+stopped serving.
 """
 
 from __future__ import annotations
@@ -17,10 +17,7 @@ from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
-    root = Path(__file__).resolve().parents[2]
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
-    from tests import faults
+    from pdserve.benchmarks import faults
 
     prog = "python -m pdserve.benchmarks.soak"
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])

@@ -31,9 +31,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from pdserve.config import CacheConfig, SchedulerConfig
-from pdserve.kv_cache_manager import KVCacheManager, cdiv
-from pdserve.request import Request, RequestStatus
-from pdserve.sampler import SamplerOutput, TokenLogprobs
+from pdserve.engine.kv_cache_manager import KVCacheManager, cdiv
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.sampler import SamplerOutput
+from pdserve.logprobs import TokenLogprobs
 
 
 @dataclass(frozen=True)

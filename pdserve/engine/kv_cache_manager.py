@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pdserve.block_pool import BlockPool, KVCacheBlock
+from pdserve.engine.block_pool import BlockPool, KVCacheBlock
+from pdserve.engine.request import Request
 from pdserve.hashing import hash_block_chain
-from pdserve.request import Request
 
 
 def cdiv(a: int, b: int) -> int:

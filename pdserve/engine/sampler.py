@@ -29,20 +29,11 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.copies import HostCopy, to_device
+from pdserve.engine.copies import HostCopy, to_device
+from pdserve.logprobs import TokenLogprobs
 from pdserve.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
-
-
-@dataclass(frozen=True)
-class TokenLogprobs:
-    """Where the sampled token sits in the raw model distribution (before any processing)."""
-
-    token_id: int  # the sampled token
-    logprob: float  # log_softmax of the unprocessed logits at token_id
-    rank: int  # 1 + number of tokens with a strictly higher raw logprob (ties share the best rank)
-    top: tuple[tuple[int, float], ...]  # top params.logprobs (token_id, logprob), descending
 
 
 @dataclass

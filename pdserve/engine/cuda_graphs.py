@@ -31,10 +31,10 @@ import time
 
 import torch
 
-from kernels.paged_attention import StaticDecodePlan
-from pdserve.attention import AttentionBackend, AttentionMetadata
-from pdserve.copies import copy_to_device
-from pdserve.models.llama import CausalLM
+from pdserve.engine.attention import AttentionBackend, AttentionMetadata
+from pdserve.engine.copies import copy_to_device
+from pdserve.engine.models.llama import CausalLM
+from pdserve.kernels.paged_attention import StaticDecodePlan
 
 logger = logging.getLogger(__name__)
 

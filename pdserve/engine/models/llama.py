@@ -13,9 +13,16 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from pdserve.attention import AttentionBackend, AttentionMetadata
-from pdserve.models.arch import ArchConfig
-from pdserve.models.layers import Embedding, GatedMLP, Linear, RMSNorm, RotaryEmbedding, use_fused_kernels
+from pdserve.engine.attention import AttentionBackend, AttentionMetadata
+from pdserve.engine.models.arch import ArchConfig
+from pdserve.engine.models.layers import (
+    Embedding,
+    GatedMLP,
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    use_fused_kernels,
+)
 
 
 class Attention(nn.Module):

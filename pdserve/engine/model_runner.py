@@ -15,13 +15,13 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.attention import AttentionMetadata, get_attention_backend
 from pdserve.config import EngineConfig
-from pdserve.copies import to_device
-from pdserve.cuda_graphs import DecodeGraphs
-from pdserve.models.arch import ArchConfig
-from pdserve.models.llama import CausalLM
-from pdserve.scheduler import SchedulerOutput
+from pdserve.engine.attention import AttentionMetadata, get_attention_backend
+from pdserve.engine.copies import to_device
+from pdserve.engine.cuda_graphs import DecodeGraphs
+from pdserve.engine.models.arch import ArchConfig
+from pdserve.engine.models.llama import CausalLM
+from pdserve.engine.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

@@ -30,15 +30,15 @@ import msgspec
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-import kv_transfer
+from pdserve import kv_transfer
 from pdserve.config import EngineConfig, NodeConfig, dtype_name
-from pdserve.engine import LLMEngine
-from pdserve.engine_loop import EngineLoop, error_output
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.request import RequestStatus
 from pdserve.messages import AbortRequest, Message, NodeInfo, NodeLoad, decode, encode
 from pdserve.metrics import CONTENT_TYPE, LATENCY_BUCKETS, Registry
-from pdserve.outputs import RequestOutput
+from pdserve.node.engine_loop import EngineLoop, error_output
 from pdserve.prefix_index import IndexPublisher, NodeRegistration, redacted
-from pdserve.request import RequestStatus
 
 logger = logging.getLogger(__name__)
 
@@ -374,10 +374,10 @@ class NodeState:
     # -- draining ------------------------------------------------------------------------------
 
     def _is_idle(self) -> bool:
-        """Nothing left that must finish before the node exits (engine thread; the subscriber count
-        is the event loop's, read as one atomic ``len``)."""
+        """Nothing left that must finish before the node exits (engine thread; the subscriptions
+        are the event loop's, read as one snapshot)."""
         s = self.engine.scheduler
-        if s.requests or s.held or self.loop.num_subscribers:
+        if s.requests or s.held or self.loop.num_unfinished:
             return False
         return not any(x.busy() or x.held_ids() for x in self.services)
 

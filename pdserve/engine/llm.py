@@ -7,8 +7,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from pdserve.config import DEFAULT_MODEL, EngineConfig
-from pdserve.engine import LLMEngine
-from pdserve.outputs import RequestOutput
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.outputs import RequestOutput
 from pdserve.sampling_params import SamplingParams
 from pdserve.tokenizer import apply_chat_template
 

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.kv_write import write_kv_ref
-from kernels.paged_attention import StaticDecodePlan, paged_attention_ref
-from pdserve.copies import to_device
+from pdserve.engine.copies import to_device
+from pdserve.kernels.kv_write import write_kv_ref
+from pdserve.kernels.paged_attention import StaticDecodePlan, paged_attention_ref
 
 
 @dataclass
@@ -101,8 +101,8 @@ class TritonAttentionBackend(AttentionBackend):
     name = "triton"
 
     def forward(self, q, k, v, kv_cache, meta, scale):
-        from kernels.kv_write import write_kv
-        from kernels.paged_attention import paged_attention
+        from pdserve.kernels.kv_write import write_kv
+        from pdserve.kernels.paged_attention import paged_attention
 
         write_kv(k, v, kv_cache, meta.slot_mapping)
         return paged_attention(

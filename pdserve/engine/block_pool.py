@@ -18,9 +18,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 
-from pdserve.hashing import BlockHash
+from pdserve.hashing import BlockEvent, BlockHash
 
 
 class KVCacheBlock:
@@ -34,14 +33,6 @@ class KVCacheBlock:
     def __repr__(self) -> str:
         h = self.block_hash.hex()[:8] if self.block_hash else None
         return f"KVCacheBlock(id={self.block_id}, ref={self.ref_cnt}, hash={h})"
-
-
-@dataclass(frozen=True)
-class BlockEvent:
-    """A change to the set of cached block hashes, for the cluster's prefix index."""
-
-    stored: bool
-    block_hashes: tuple[BlockHash, ...]
 
 
 class BlockPool:

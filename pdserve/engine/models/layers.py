@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.rmsnorm import fused_add_rmsnorm, fused_add_rmsnorm_ref, rmsnorm
-from kernels.rotary import rotary
-from pdserve.models.arch import RopeConfig
+from pdserve.engine.models.arch import RopeConfig
+from pdserve.kernels.rmsnorm import fused_add_rmsnorm, fused_add_rmsnorm_ref, rmsnorm
+from pdserve.kernels.rotary import rotary
 
 FUSED_KERNELS_ON_CUDA = True
 """Use the Triton norm/rotary kernels for CUDA tensors; set False to A/B against eager torch."""

@@ -7,7 +7,6 @@ with the right shape, or loading fails with an error naming the tensor.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,8 +14,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from pdserve.models.arch import ArchConfig
-from pdserve.models.llama import CausalLM
+from pdserve.engine.models.arch import ArchConfig
+from pdserve.engine.models.llama import CausalLM
 
 
 class WeightError(ValueError):
@@ -132,10 +131,3 @@ def init_random_weights(model: CausalLM, seed: int, std: float = 0.02) -> None:
             p.zero_()
         else:
             p.normal_(0.0, std, generator=gen)
-
-
-def read_hf_config(folder: Path) -> dict:
-    path = folder / "config.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{folder} is not an HF model folder: config.json is missing")
-    return json.loads(path.read_text())

@@ -23,9 +23,9 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from pdserve.engine import LLMEngine
-from pdserve.outputs import CompletionOutput, RequestOutput
-from pdserve.request import RequestStatus
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.outputs import CompletionOutput, RequestOutput
+from pdserve.engine.request import RequestStatus
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +92,12 @@ class EngineLoop:
     @property
     def num_subscribers(self) -> int:
         return len(self._subscribers)
+
+    @property
+    def num_unfinished(self) -> int:
+        """Subscriptions whose request has not ended yet: what a drain waits for. A final output
+        kept for a reader yet to attach is over; the drain does not wait for its reader."""
+        return sum(1 for q in list(self._subscribers.values()) if not q.finished)
 
     def is_subscribed(self, request_id: str) -> bool:
         return request_id in self._subscribers
@@ -185,11 +191,13 @@ class OutputSlot:
         self._output: RequestOutput | None = None
         self._ready = asyncio.Event()
         self.attached = False  # a reader took it (``EngineLoop.attach``)
+        self.finished = False  # the final output came (read or not)
 
     def put_nowait(self, output: RequestOutput) -> None:
-        if self._output is not None and self._output.finished:
+        if self.finished:
             return
         self._output = output
+        self.finished = output.finished
         self._ready.set()
 
     async def get(self) -> RequestOutput:

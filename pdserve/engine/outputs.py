@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pdserve.sampler import TokenLogprobs
+from pdserve.logprobs import TokenLogprobs
 
 
 @dataclass

@@ -1,16 +1,13 @@
-"""Model sources: the default model, HF folders and random-weight presets with real shapes."""
+"""Where a model comes from: the default model, an HF folder or a random-weight preset with real
+shapes. Torch-free, so the proxy resolves a model's tokenizer without loading torch."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from pdserve.config import DEFAULT_MODEL, ModelConfig
-from pdserve.models.arch import ArchConfig
-from pdserve.models.llama import CausalLM
-from pdserve.models.loader import build_model, init_random_weights, load_weights, read_hf_config
 
 # HF-style configs of the presets. Shapes are the real models'; weights are N(0, 0.02).
 _PRESETS: dict[str, dict] = {
@@ -110,17 +107,8 @@ def resolve_model(config: ModelConfig) -> ModelSource:
     return ModelSource(folder.name, read_hf_config(folder), folder, folder if has_tokenizer else None)
 
 
-def load_model(
-    source: ModelSource,
-    arch: ArchConfig,
-    max_positions: int,
-    device: torch.device,
-    dtype: torch.dtype,
-    seed: int,
-) -> CausalLM:
-    model = build_model(arch, max_positions, device, dtype)
-    if source.weights_dir is None:
-        init_random_weights(model, seed)
-    else:
-        load_weights(model, source.weights_dir)
-    return model
+def read_hf_config(folder: Path) -> dict:
+    path = folder / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{folder} is not an HF model folder: config.json is missing")
+    return json.loads(path.read_text())

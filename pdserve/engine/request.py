@@ -22,7 +22,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from pdserve.sampler import TokenLogprobs
+from pdserve.logprobs import TokenLogprobs
 from pdserve.sampling_params import SamplingParams
 
 

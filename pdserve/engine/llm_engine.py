@@ -22,16 +22,18 @@ from dataclasses import dataclass
 import torch
 
 from pdserve import envs
-from pdserve.block_pool import BlockEvent
 from pdserve.config import EngineConfig
-from pdserve.model_runner import DeviceInputs, ModelRunner
-from pdserve.models import load_model, resolve_model
-from pdserve.models.arch import ArchConfig
-from pdserve.outputs import CompletionOutput, RequestOutput
-from pdserve.request import Request, RequestStatus
-from pdserve.sampler import PendingSample, Sampler, SamplingRow, TokenLogprobs, make_generator
+from pdserve.engine.model_runner import DeviceInputs, ModelRunner
+from pdserve.engine.models import load_model
+from pdserve.engine.models.arch import ArchConfig
+from pdserve.engine.outputs import CompletionOutput, RequestOutput
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.sampler import PendingSample, Sampler, SamplingRow, make_generator
+from pdserve.engine.scheduler import Scheduler, SchedulerOutput
+from pdserve.hashing import BlockEvent
+from pdserve.logprobs import TokenLogprobs
+from pdserve.model_source import resolve_model
 from pdserve.sampling_params import SamplingParams
-from pdserve.scheduler import Scheduler, SchedulerOutput
 from pdserve.tokenizer import IncrementalDetokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)

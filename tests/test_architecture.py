@@ -1,0 +1,129 @@
+"""The layout as contracts: one import namespace, floors that only look down, a torch-free proxy.
+
+The wheel is built once from a copy of the checkout (setuptools' build folder would otherwise carry
+stale modules between builds) and unpacked: an unpacked wheel is exactly what ``pip install .``
+puts into site-packages.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import venv
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SUBPACKAGES = ("proxy", "prefill_node", "decode_node", "kv_transfer", "kernels")
+_SKIP = shutil.ignore_patterns(".git", "build", "dist", "*.egg-info", "__pycache__", ".airgap", ".*cache")
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> Path:
+    """The wheel of this checkout, unpacked: a site-packages holding pdserve and nothing else."""
+    work = tmp_path_factory.mktemp("wheel")
+    src = work / "src"
+    shutil.copytree(ROOT, src, ignore=_SKIP)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(work),
+            ".",
+        ],
+        cwd=src,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (wheel,) = work.glob("pdserve-*.whl")
+    site = work / "site"
+    with zipfile.ZipFile(wheel) as zf:
+        zf.extractall(site)
+    return site
+
+
+def test_wheel_installs_pdserve_alone(site):
+    names = sorted(p.name for p in site.iterdir())
+    assert names == ["pdserve", "pdserve-0.1.0.dist-info"], names
+    for name in SUBPACKAGES:
+        assert (site / "pdserve" / name / "__init__.py").is_file(), name
+
+
+def test_fresh_venv_has_pdserve_and_no_generic_names(site, tmp_path):
+    """In a fresh venv (no system packages) holding the installed wheel, ``import kernels`` fails
+    and every subpackage resolves under pdserve."""
+    env_dir = tmp_path / "venv"
+    venv.create(env_dir, with_pip=False, system_site_packages=False)
+    python = env_dir / "bin" / "python"
+    purelib = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    for entry in site.iterdir():
+        shutil.copytree(entry, Path(purelib) / entry.name)
+    code = (
+        "import importlib.util as u, sys\n"
+        f"subs = {SUBPACKAGES!r}\n"
+        "missing = [s for s in subs if u.find_spec('pdserve.' + s) is None]\n"
+        "generic = [s for s in subs if u.find_spec(s) is not None]\n"
+        "print(missing, generic)\n"
+        "try:\n"
+        "    import kernels\n"
+        "except ModuleNotFoundError:\n"
+        "    print('no kernels')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    proc = subprocess.run([str(python), "-c", code], capture_output=True, text=True, cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split("\n")[:2] == ["[] []", "no kernels"], proc.stdout
+
+
+def test_layer_contracts_hold(site):
+    """import-linter's contracts in pyproject.toml: floors only look down, the proxy stays off the
+    engine, the nodes and the transports."""
+    lint = shutil.which("lint-imports")
+    assert lint, "import-linter is a test dependency"
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    proc = subprocess.run(
+        [lint, "--no-cache", str(ROOT / "pyproject.toml")],
+        cwd=site,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert "0 broken" in proc.stdout
+
+
+def test_proxy_app_does_not_import_torch():
+    code = (
+        "import sys\n"
+        "import pdserve.proxy.app, pdserve.proxy.server, pdserve.messages\n"
+        "heavy = [m for m in ('torch', 'pdserve.engine.llm_engine', 'pdserve.kv_transfer') if m in sys.modules]\n"
+        "print(heavy)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+
+
+def test_import_pdserve_is_lazy():
+    code = "import sys, pdserve\nprint('torch' in sys.modules, pdserve.SamplingParams.__name__)\n"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["False", "SamplingParams"]
