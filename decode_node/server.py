@@ -26,7 +26,7 @@ from pdserve.kv_transfer import ReservationTable
 from pdserve.prefill_node.server import PrefillService
 
 from pdserve import kv_transfer
-from pdserve.config import EngineConfig, NodeConfig
+from pdserve.config import EngineConfig, NodeConfig, Role
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.request import RequestStatus
@@ -52,6 +52,7 @@ from pdserve.node.framework import (
     node_info,
     read_message,
 )
+from pdserve.utils import cdiv
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +119,7 @@ class DecodeService(NodeService):
         engine.validate_request(msg.request_id, msg.prompt_token_ids, msg.params)
         self.state.check_room()
         bs = engine.config.cache.block_size
-        needed = -(-(len(msg.prompt_token_ids) + 1) // bs)
+        needed = cdiv(len(msg.prompt_token_ids) + 1, bs)
         if needed > engine.scheduler.kv.num_free_blocks:
             return False
         self.pending_local[msg.request_id] = (msg, deadline)
@@ -199,7 +200,7 @@ def create_app(engine_config: EngineConfig, node: NodeConfig) -> FastAPI:
     prefills: it serves whole requests itself and can take either half for other nodes."""
     state = NodeState(engine_config, node)
     state.services.append(DecodeService(state))
-    if node.role == "both":
+    if node.role == Role.BOTH:
         state.services.append(PrefillService(state))
     return node_app(state)
 

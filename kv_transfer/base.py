@@ -13,12 +13,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from pdserve.messages import KVAck, KVCommit, NodeInfo
+from pdserve.messages import KVAck, KVCommit, NodeInfo, mismatches
 
 logger = logging.getLogger(__name__)
-
-# Fields two nodes must agree on before any KV moves between them.
-COMPAT_FIELDS = ("model_id", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "kv_layout")
 
 
 class KVTransferError(RuntimeError):
@@ -33,9 +30,8 @@ class KVRefused(KVTransferError):
 def check_compatible(ours: NodeInfo, theirs: NodeInfo) -> list[str]:
     """Human-readable mismatches between two nodes (empty when they may exchange KV)."""
     return [
-        f"{name}: {getattr(ours, name)!r} ({ours.node_id}) vs {getattr(theirs, name)!r} ({theirs.node_id})"
-        for name in COMPAT_FIELDS
-        if getattr(ours, name) != getattr(theirs, name)
+        f"{name}: {a!r} ({ours.node_id}) vs {b!r} ({theirs.node_id})"
+        for name, a, b in mismatches(ours, theirs)
     ]
 
 

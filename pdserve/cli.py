@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import enum
 import inspect
 import logging
 import sys
@@ -65,6 +66,8 @@ def add_config_args(parser: argparse.ArgumentParser, classes) -> None:
                 group.add_argument(
                     flag, action=argparse.BooleanOptionalAction, default=default, help=help_text
                 )
+            elif isinstance(kind, type) and issubclass(kind, enum.Enum):
+                group.add_argument(flag, type=kind, choices=list(kind), default=default, help=help_text)
             else:
                 group.add_argument(flag, type=kind, default=default, help=help_text)
 
@@ -80,10 +83,10 @@ def config_from_args(cls, args: argparse.Namespace):
 def _cmd_node(args: argparse.Namespace) -> None:
     import uvicorn
 
-    from pdserve.config import EngineConfig, NodeConfig
+    from pdserve.config import EngineConfig, NodeConfig, Role
 
     node = config_from_args(NodeConfig, args)
-    if node.role == "prefill":
+    if node.role == Role.PREFILL:
         from pdserve.prefill_node.server import create_app
     else:  # decode, or both: a decode node that also prefills for others
         from pdserve.decode_node.server import create_app

@@ -8,6 +8,7 @@ value once, at start-up, so nothing downstream ever sees "auto".
 from __future__ import annotations
 
 import dataclasses
+import enum
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -193,14 +194,33 @@ class EngineConfig:
         )
 
 
-NODE_ROLES = ("prefill", "decode", "both")
+class Role(str, enum.Enum):
+    """What a node does. A co-located node (``both``) serves whole requests and can take either
+    part of a request for other nodes."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+    BOTH = "both"
+
+    def __str__(self) -> str:  # the value, in messages, flags and f-strings, on every Python
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    def __repr__(self) -> str:  # error messages quote the role as the user wrote it
+        return repr(self.value)
+
+    def serves(self, part: Role) -> bool:
+        """Whether a node of this role can take ``part`` (PREFILL or DECODE) of a request."""
+        return self is part or self is Role.BOTH
 
 
 @dataclass(frozen=True)
 class NodeConfig:
     """A node's role, server, KV transport and prefix-index registration."""
 
-    role: str = "both"
+    role: Role = Role.BOTH
     """prefill (computes prompts for decode nodes), decode (reserves blocks, receives KV, generates)
     or both (a co-located node: serves whole requests and can take either part for other nodes)."""
     host: str = "127.0.0.1"
@@ -237,8 +257,11 @@ class NodeConfig:
     def __post_init__(self) -> None:
         if not self.cluster_token:
             object.__setattr__(self, "cluster_token", envs.PDSERVE_CLUSTER_TOKEN)
-        if self.role not in NODE_ROLES:
-            raise ValueError(f"unknown node role {self.role!r}; choose one of {', '.join(NODE_ROLES)}")
+        try:
+            object.__setattr__(self, "role", Role(self.role))
+        except ValueError:
+            choices = ", ".join(r.value for r in Role)
+            raise ValueError(f"unknown node role {self.role!r}; choose one of {choices}") from None
         if self.heartbeat_ttl_s <= 0:
             raise ValueError(f"heartbeat_ttl_s must be > 0, got {self.heartbeat_ttl_s}")
         if self.max_waiting_requests < 1:

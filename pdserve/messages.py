@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
+from pdserve.config import Role
 from pdserve.logprobs import TokenLogprobs
 from pdserve.sampling_params import SamplingParams
 
@@ -41,7 +42,7 @@ class NodeInfo(Message):
     """What a node is; peers compare it at handshake and refuse mismatches."""
 
     node_id: str
-    role: str  # prefill | decode | both
+    role: Role
     model_id: str
     dtype: str
     block_size: int
@@ -54,6 +55,21 @@ class NodeInfo(Message):
     max_model_len: int
     vocab_size: int
     kv_transports: list[str] = []  # the transports it accepts, preferred first; agreed per peer
+
+
+COMPAT_FIELDS = ("model_id", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "kv_layout")
+"""NodeInfo fields a prefill node and a decode node must share before any KV moves between them."""
+
+
+def mismatches(a: NodeInfo, b: NodeInfo) -> list[tuple[str, object, object]]:
+    """Why two nodes cannot exchange KV: each compatibility field on which they disagree, with both
+    values, and ``kv_transports`` when they accept none in common. The one compatibility rule: the
+    proxy checks it before routing, the KV handshake before the first block moves."""
+    out = [(f, getattr(a, f), getattr(b, f)) for f in COMPAT_FIELDS if getattr(a, f) != getattr(b, f)]
+    ta, tb = a.kv_transports or [a.kv_transport], b.kv_transports or [b.kv_transport]
+    if not set(ta) & set(tb):
+        out.append(("kv_transports", ta, tb))
+    return out
 
 
 class NodeLoad(Message):

@@ -55,6 +55,7 @@ from pdserve.node.framework import (
     node_app,
     read_message,
 )
+from pdserve.utils import cdiv
 
 logger = logging.getLogger(__name__)
 
@@ -195,7 +196,7 @@ class PrefillService(NodeService):
             if landing is None:
                 continue
             end = s.start + s.num_tokens
-            filled = -(-end // block_size) if end >= request.num_prompt_tokens else end // block_size
+            filled = cdiv(end, block_size) if end >= request.num_prompt_tokens else end // block_size
             ready = min(filled - landing.first_block, len(landing.block_ids))
             sent = self._blocks_sent.get(request_id, 0)
             if request.num_preemptions != self._preemptions.get(request_id, 0):
@@ -269,7 +270,7 @@ def _validate(msg: PrefillRequest, block_size: int) -> str:
     if landing.num_prompt_tokens != len(msg.prompt_token_ids):
         n = len(msg.prompt_token_ids)
         return f"landing descriptor is for {landing.num_prompt_tokens} tokens, the prompt has {n}"
-    num_blocks = -(-len(msg.prompt_token_ids) // block_size)
+    num_blocks = cdiv(len(msg.prompt_token_ids), block_size)
     if not 0 <= landing.first_block < num_blocks:
         return f"landing descriptor starts at block {landing.first_block} of {num_blocks}"
     if len(landing.block_ids) != num_blocks - landing.first_block:

@@ -41,6 +41,7 @@ from pdserve.proxy.node_client import NodeError
 from pdserve.proxy.protocol import ProxyError
 from pdserve.proxy.router import NodeState, Router, RouteRequest
 
+from pdserve.config import Role
 from pdserve.messages import (
     LandingDescriptor,
     PrefillRequest,
@@ -402,7 +403,7 @@ class Generation:
         give_up = time.monotonic() + self.d.admission_wait_s
         backoff = 0.01
         while True:
-            ranked = router.rank("decode", route)
+            ranked = router.rank(Role.DECODE, route)
             if not ranked:
                 raise ProxyError(503, "no compatible decode node is available", retry_after=1)
             full: list[NodeError] = []
@@ -463,7 +464,7 @@ class Generation:
         )
         failed: list[str] = []
         full: list[float] = []  # Retry-After of the nodes that answered 429 (queue full)
-        for node in router.rank("prefill", route):
+        for node in router.rank(Role.PREFILL, route):
             self.prefill_node = node
             self._prefill_pending = True
             cached = route.cached_tokens(node)

@@ -21,38 +21,16 @@ from dataclasses import dataclass, field
 import httpx
 from pdserve.proxy.node_client import NodeClient, NodeError
 
+from pdserve.config import Role
 from pdserve.hashing import BlockHash, hash_block_chain
-from pdserve.messages import NodeInfo, NodeLoad
+from pdserve.messages import NodeInfo, NodeLoad, mismatches
 from pdserve.prefix_index import IndexUnavailable, PrefixIndex, RecentRoutes
 
 logger = logging.getLogger(__name__)
 
-COMPAT_FIELDS = (
-    "model_id",
-    "dtype",
-    "block_size",
-    "num_layers",
-    "num_kv_heads",
-    "head_dim",
-    "kv_layout",
-)
-"""NodeInfo fields every prefill node must share with every decode node (and a KV transport)."""
-
-ROLES = {"prefill": ("prefill", "both"), "decode": ("decode", "both")}
-
 
 class ClusterError(RuntimeError):
     """The cluster cannot be served: nodes unreachable at start-up, or incompatible."""
-
-
-def mismatches(a: NodeInfo, b: NodeInfo) -> list[tuple[str, object, object]]:
-    """The compatibility fields on which two nodes disagree, with both values; transports
-    disagree when the two nodes accept none in common."""
-    out = [(f, getattr(a, f), getattr(b, f)) for f in COMPAT_FIELDS if getattr(a, f) != getattr(b, f)]
-    ta, tb = a.kv_transports or [a.kv_transport], b.kv_transports or [b.kv_transport]
-    if not set(ta) & set(tb):
-        out.append(("kv_transports", ta, tb))
-    return out
 
 
 @dataclass(eq=False)
@@ -60,7 +38,7 @@ class NodeState:
     """One node as the proxy sees it. Mutated only on the event loop."""
 
     url: str
-    role: str  # the role the proxy uses it in: prefill | decode
+    role: Role  # the part the proxy uses it for: PREFILL or DECODE
     client: NodeClient
     info: NodeInfo | None = None
     load: NodeLoad | None = None
@@ -136,7 +114,7 @@ class RoutingPolicy(ABC):
     """
 
     @abstractmethod
-    def rank(self, role: str, candidates: Sequence[NodeState], route: RouteRequest) -> list[NodeState]: ...
+    def rank(self, role: Role, candidates: Sequence[NodeState], route: RouteRequest) -> list[NodeState]: ...
 
 
 class LeastLoaded(RoutingPolicy):
@@ -144,15 +122,15 @@ class LeastLoaded(RoutingPolicy):
     remaining ties rotate so idle nodes share the work."""
 
     def __init__(self) -> None:
-        self._turn = {"prefill": itertools.count(), "decode": itertools.count()}
+        self._turn = {Role.PREFILL: itertools.count(), Role.DECODE: itertools.count()}
 
-    def rank(self, role: str, candidates: Sequence[NodeState], route: RouteRequest) -> list[NodeState]:
+    def rank(self, role: Role, candidates: Sequence[NodeState], route: RouteRequest) -> list[NodeState]:
         n = len(candidates)
         start = next(self._turn[role]) % n
 
         def key(i: int) -> tuple:
             node = candidates[i]
-            free = -node.free_block_fraction if role == "decode" else 0.0
+            free = -node.free_block_fraction if role == Role.DECODE else 0.0
             return (node.load_score, free, (i - start) % n)
 
         return [candidates[i] for i in sorted(range(n), key=key)]
@@ -162,9 +140,9 @@ class RoundRobin(RoutingPolicy):
     """Each request starts one node further along the list."""
 
     def __init__(self) -> None:
-        self._turn = {"prefill": itertools.count(), "decode": itertools.count()}
+        self._turn = {Role.PREFILL: itertools.count(), Role.DECODE: itertools.count()}
 
-    def rank(self, role: str, candidates: Sequence[NodeState], route: RouteRequest) -> list[NodeState]:
+    def rank(self, role: Role, candidates: Sequence[NodeState], route: RouteRequest) -> list[NodeState]:
         start = next(self._turn[role]) % len(candidates)
         return list(candidates[start:]) + list(candidates[:start])
 
@@ -188,19 +166,19 @@ class PrefixAware(RoutingPolicy):
         return max(2, least_load // 8)
 
     def __init__(self) -> None:
-        self._turn = {"prefill": itertools.count(), "decode": itertools.count()}
+        self._turn = {Role.PREFILL: itertools.count(), Role.DECODE: itertools.count()}
 
-    def rank(self, role: str, candidates: Sequence[NodeState], route: RouteRequest) -> list[NodeState]:
+    def rank(self, role: Role, candidates: Sequence[NodeState], route: RouteRequest) -> list[NodeState]:
         n = len(candidates)
         start = next(self._turn[role]) % n
-        if role == "decode" and candidates:
+        if role == Role.DECODE and candidates:
             least = min(node.load_score for node in candidates)
             busy_above = least + self.decode_slack(least)
 
         def key(i: int) -> tuple:
             node = candidates[i]
             cached = route.cached_tokens(node)
-            if role == "prefill":
+            if role == Role.PREFILL:
                 cost = self.UNCACHED_WEIGHT * (route.num_tokens - cached) + node.queued_prefill_tokens
                 return (cost, -cached, (i - start) % n)
             load = node.load_score
@@ -232,12 +210,12 @@ class Router:
         redis_url: str = "",
         index_timeout_s: float = 0.1,
     ) -> None:
-        def state(url: str, role: str, colocated: bool = False) -> NodeState:
+        def state(url: str, role: Role, colocated: bool = False) -> NodeState:
             return NodeState(url, role, NodeClient(url, http, cluster_token), colocated=colocated)
 
-        self.prefill = [state(u, "prefill") for u in prefill_urls]
-        self.decode = [state(u, "decode") for u in decode_urls]
-        self.decode += [state(u, "decode", colocated=True) for u in both_urls]
+        self.prefill = [state(u, Role.PREFILL) for u in prefill_urls]
+        self.decode = [state(u, Role.DECODE) for u in decode_urls]
+        self.decode += [state(u, Role.DECODE, colocated=True) for u in both_urls]
         self.policy = policy or LeastLoaded()
         self.poll_interval_s = poll_interval_s
         self.redis_url = redis_url
@@ -323,11 +301,11 @@ class Router:
         problems = []
         for node in self.nodes:
             assert node.info is not None
-            if node.info.role not in ROLES[node.role]:
+            if not Role(node.info.role).serves(node.role):
                 problems.append(
                     f"{node.url} is listed as a {node.role} node but reports role {node.info.role!r}"
                 )
-            if node.colocated and node.info.role != "both":
+            if node.colocated and node.info.role != Role.BOTH:
                 problems.append(f"{node.url} is listed as co-located but reports role {node.info.role!r}")
             if model_id is not None and node.info.model_id != model_id:
                 problems.append(
@@ -370,7 +348,7 @@ class Router:
         """A node that comes back may have restarted with other settings: compare it again."""
         info = await node.client.info()
         problems = [f"{f}: {v!r} instead of {r!r}" for f, v, r in mismatches(info, self.reference)]
-        if info.role not in ROLES[node.role]:
+        if not Role(info.role).serves(node.role):
             problems.append(f"role {info.role!r}")
         node.info = info
         reason = "; ".join(problems)
@@ -415,9 +393,9 @@ class Router:
                 cached[node_id] = max(cached.get(node_id, 0), self.recent.hits(node_id, hashes))
         return RouteRequest(request_id, prompt_token_ids, hashes, cached, ref.block_size, state, elapsed)
 
-    def rank(self, role: str, route: RouteRequest) -> list[NodeState]:
+    def rank(self, role: Role, route: RouteRequest) -> list[NodeState]:
         """Candidates of ``role`` for this request, best first; empty when no node is usable."""
-        nodes = self.prefill if role == "prefill" else self.decode
+        nodes = self.prefill if role == Role.PREFILL else self.decode
         candidates = [n for n in nodes if n.available]
         if not candidates:
             # All marked down: they may be back before the next poll, so try them anyway.

@@ -11,11 +11,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pdserve.config import CacheConfig, SchedulerConfig
-from pdserve.engine.kv_cache_manager import cdiv
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampler import SamplerOutput
 from pdserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from pdserve.sampling_params import SamplingParams
+from pdserve.utils import cdiv
 
 EOS = 0
 

@@ -35,6 +35,7 @@ from pdserve.engine.attention import AttentionBackend, AttentionMetadata
 from pdserve.engine.copies import copy_to_device
 from pdserve.engine.models.llama import CausalLM
 from pdserve.kernels.paged_attention import StaticDecodePlan
+from pdserve.utils import cdiv
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +64,7 @@ class DecodeGraphs:
         self.backend = backend
         self.buckets = decode_buckets(max_num_seqs)
         self.max_model_len = max_model_len
-        self.max_blocks = -(-max_model_len // block_size)
+        self.max_blocks = cdiv(max_model_len, block_size)
         self.device = device
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}  # bucket -> [bucket, hidden], written by replay

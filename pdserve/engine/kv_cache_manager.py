@@ -10,10 +10,7 @@ from collections.abc import Sequence
 from pdserve.engine.block_pool import BlockPool, KVCacheBlock
 from pdserve.engine.request import Request
 from pdserve.hashing import hash_block_chain
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+from pdserve.utils import cdiv
 
 
 class KVCacheManager:

@@ -22,6 +22,7 @@ from pdserve.engine.cuda_graphs import DecodeGraphs
 from pdserve.engine.models.arch import ArchConfig
 from pdserve.engine.models.llama import CausalLM
 from pdserve.engine.scheduler import SchedulerOutput
+from pdserve.utils import cdiv
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +75,7 @@ class ModelRunner:
     def _profile_peak_memory(self) -> int:
         """Peak CUDA memory of one full-budget step, run on a throwaway KV cache."""
         num_tokens = self.config.scheduler.max_num_batched_tokens
-        num_blocks = -(-num_tokens // self.block_size)
+        num_blocks = cdiv(num_tokens, self.block_size)
         self._bind_kv_cache(num_blocks)
         torch.cuda.reset_peak_memory_stats(self.device)
         meta = AttentionMetadata.build(
@@ -157,7 +158,7 @@ class ModelRunner:
             query_lens.append(s.num_tokens)
             if s.needs_sample:
                 sample_rows.append(len(input_ids) - 1)
-            max_blocks = max(max_blocks, -(-end // bs))
+            max_blocks = max(max_blocks, cdiv(end, bs))
         table = [
             list(s.block_ids[:max_blocks]) + [0] * (max_blocks - len(s.block_ids)) for s in out.scheduled
         ]

@@ -31,10 +31,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from pdserve.config import CacheConfig, SchedulerConfig
-from pdserve.engine.kv_cache_manager import KVCacheManager, cdiv
+from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampler import SamplerOutput
 from pdserve.logprobs import TokenLogprobs
+from pdserve.utils import cdiv
 
 
 @dataclass(frozen=True)

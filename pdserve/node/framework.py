@@ -31,7 +31,7 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from pdserve import kv_transfer
-from pdserve.config import EngineConfig, NodeConfig, dtype_name
+from pdserve.config import EngineConfig, NodeConfig, Role, dtype_name
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.request import RequestStatus
@@ -46,7 +46,7 @@ KV_LAYOUT = "L,NB,2,BS,Hkv,D"
 MSGPACK = "application/msgpack"
 
 
-def node_info(engine: LLMEngine, node: NodeConfig, role: str, transport: str, kv_address: str) -> NodeInfo:
+def node_info(engine: LLMEngine, node: NodeConfig, role: Role, transport: str, kv_address: str) -> NodeInfo:
     arch = engine.arch
     return NodeInfo(
         node_id=node.node_id or f"{role}@{node.host}:{node.port}",
