@@ -22,14 +22,13 @@ import time
 
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
-from pdserve.kv_transfer import ReservationTable
-from pdserve.prefill_node.server import PrefillService
 
 from pdserve import kv_transfer
 from pdserve.config import EngineConfig, NodeConfig, Role
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.request import RequestStatus
+from pdserve.kv_transfer import ReservationTable
 from pdserve.messages import (
     KVCommit,
     LandingDescriptor,
@@ -52,6 +51,7 @@ from pdserve.node.framework import (
     node_info,
     read_message,
 )
+from pdserve.prefill_node.server import PrefillService
 from pdserve.utils import cdiv
 
 logger = logging.getLogger(__name__)

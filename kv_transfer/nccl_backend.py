@@ -62,6 +62,7 @@ from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
+
 from pdserve.kv_transfer.base import (
     STAGE_CHUNK_BYTES,
     KVTransferError,
@@ -78,7 +79,6 @@ from pdserve.kv_transfer.base import (
 )
 from pdserve.kv_transfer.wire import KVSend, KVSetup, KVSetupReply
 from pdserve.kv_transfer.zmq_backend import valid_block_ids
-
 from pdserve.messages import KVAck, KVCommit, encode
 
 logger = logging.getLogger(__name__)

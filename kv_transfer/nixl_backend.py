@@ -69,6 +69,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
 from pdserve.kv_transfer.base import (
     KVRefused,
     KVTransferError,
@@ -89,7 +90,6 @@ from pdserve.kv_transfer.base import (
 from pdserve.kv_transfer.staging import StagePool, stage_pieces
 from pdserve.kv_transfer.wire import KVReadDone, KVReady, KVSetup, KVSetupReply
 from pdserve.kv_transfer.zmq_backend import valid_block_ids
-
 from pdserve.messages import encode
 
 logger = logging.getLogger(__name__)

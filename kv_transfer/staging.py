@@ -16,6 +16,7 @@ from __future__ import annotations
 import queue
 
 import torch
+
 from pdserve.kv_transfer.base import layer_chunks
 
 STAGE_SLOTS = 4

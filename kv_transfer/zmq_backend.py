@@ -51,6 +51,8 @@ from dataclasses import dataclass
 
 import torch
 import zmq
+from zmq.utils.monitor import parse_monitor_message
+
 from pdserve.kv_transfer.base import (
     KVReceiver,
     KVRefused,
@@ -64,8 +66,6 @@ from pdserve.kv_transfer.base import (
     check_compatible,
 )
 from pdserve.kv_transfer.wire import KVReadDone, KVReady, KVSend, KVSetup, KVSetupReply
-from zmq.utils.monitor import parse_monitor_message
-
 from pdserve.messages import (
     KVAck,
     KVBlocks,

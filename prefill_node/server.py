@@ -31,7 +31,6 @@ import time
 from concurrent.futures import Future
 
 from fastapi import FastAPI, Request
-from pdserve.kv_transfer import KVTransferError
 
 from pdserve import kv_transfer
 from pdserve.config import EngineConfig, NodeConfig
@@ -40,6 +39,7 @@ from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.request import Request as EngineRequest
 from pdserve.engine.request import RequestStatus
 from pdserve.engine.scheduler import SchedulerOutput
+from pdserve.kv_transfer import KVTransferError
 from pdserve.messages import (
     KVCommit,
     LandingDescriptor,

@@ -33,6 +33,14 @@ from typing import Any, TypeVar
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from pdserve.config import ModelConfig
+from pdserve.messages import TokenEvent
+from pdserve.metrics import CONTENT_TYPE, LATENCY_BUCKETS, Registry
+from pdserve.model_source import resolve_model
 from pdserve.proxy.config import ProxyConfig
 from pdserve.proxy.dispatch import Dispatcher, Generation
 from pdserve.proxy.node_client import make_http_client
@@ -52,14 +60,6 @@ from pdserve.proxy.protocol import (
 )
 from pdserve.proxy.responses import SSE_DONE, ChatBuilder, CompletionBuilder, TokenStrings, sse
 from pdserve.proxy.router import POLICIES, ClusterError, Router
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
-
-from pdserve.config import ModelConfig
-from pdserve.messages import TokenEvent
-from pdserve.metrics import CONTENT_TYPE, LATENCY_BUCKETS, Registry
-from pdserve.model_source import resolve_model
 from pdserve.tokenizer import apply_chat_template, load_tokenizer
 
 logger = logging.getLogger(__name__)

@@ -37,9 +37,6 @@ from collections.abc import Coroutine
 from typing import Any
 
 import msgspec
-from pdserve.proxy.node_client import NodeError
-from pdserve.proxy.protocol import ProxyError
-from pdserve.proxy.router import NodeState, Router, RouteRequest
 
 from pdserve.config import Role
 from pdserve.messages import (
@@ -51,6 +48,9 @@ from pdserve.messages import (
     TokenEvent,
 )
 from pdserve.metrics import LATENCY_BUCKETS, Registry
+from pdserve.proxy.node_client import NodeError
+from pdserve.proxy.protocol import ProxyError
+from pdserve.proxy.router import NodeState, Router, RouteRequest
 from pdserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

@@ -14,6 +14,9 @@ import json
 from typing import Any
 
 import msgspec
+from pydantic import BaseModel
+
+from pdserve.messages import LogprobsMsg, TokenEvent
 from pdserve.proxy.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -30,9 +33,6 @@ from pdserve.proxy.protocol import (
     Usage,
     make_usage,
 )
-from pydantic import BaseModel
-
-from pdserve.messages import LogprobsMsg, TokenEvent
 
 SSE_DONE = b"data: [DONE]\n\n"
 _MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps the same way

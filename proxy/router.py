@@ -19,12 +19,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import httpx
-from pdserve.proxy.node_client import NodeClient, NodeError
 
 from pdserve.config import Role
 from pdserve.hashing import BlockHash, hash_block_chain
 from pdserve.messages import NodeInfo, NodeLoad, mismatches
 from pdserve.prefix_index import IndexUnavailable, PrefixIndex, RecentRoutes
+from pdserve.proxy.node_client import NodeClient, NodeError
 
 logger = logging.getLogger(__name__)
 

@@ -28,11 +28,12 @@ import time
 from types import FrameType
 
 import uvicorn
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
 from pdserve.proxy.app import Proxy, create_app
 from pdserve.proxy.config import ProxyConfig
 from pdserve.proxy.protocol import error_body
 from pdserve.proxy.responses import SSE_DONE, sse
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 logger = logging.getLogger(__name__)
 

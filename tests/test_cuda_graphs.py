@@ -12,9 +12,9 @@ import random
 
 import pytest
 import torch
-from pdserve.kernels import paged_attention as pa
 
 from pdserve.engine.cuda_graphs import decode_buckets
+from pdserve.kernels import paged_attention as pa
 from tests.test_kernels_triton import DECODE_SHAPES, DEVICE, assert_close, make_batch, run_both
 
 

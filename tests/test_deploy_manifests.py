@@ -17,10 +17,10 @@ import subprocess
 
 import pytest
 import yaml
-from pdserve.proxy.config import ProxyConfig
 
 from pdserve.cli import build_parser, config_from_args
 from pdserve.config import NodeConfig
+from pdserve.proxy.config import ProxyConfig
 from tests.test_deploy_netns import ROOT, launch
 
 OVERLAYS = ("cpu", "gpu")

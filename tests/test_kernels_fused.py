@@ -15,11 +15,11 @@ import random
 
 import pytest
 import torch
-from pdserve.kernels import rmsnorm as rn
-from pdserve.kernels import rotary as rt
 
 from pdserve.engine.models.arch import RopeConfig
 from pdserve.engine.models.layers import RotaryEmbedding
+from pdserve.kernels import rmsnorm as rn
+from pdserve.kernels import rotary as rt
 from tests.sm90 import compile_for_sm90
 
 ON_GPU = torch.cuda.is_available()

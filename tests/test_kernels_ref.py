@@ -7,6 +7,7 @@ import random
 
 import pytest
 import torch
+
 from pdserve.kernels.kv_write import write_kv_ref
 from pdserve.kernels.paged_attention import paged_attention_ref
 

@@ -32,9 +32,9 @@ import sys  # noqa: E402
 from types import ModuleType  # noqa: E402
 
 import pytest  # noqa: E402
+
 from pdserve.kernels import block_copy, kv_write  # noqa: E402
 from pdserve.kernels import paged_attention as pa  # noqa: E402
-
 from tests.sm90 import compile_for_sm90  # noqa: E402
 
 ON_GPU = torch.cuda.is_available()

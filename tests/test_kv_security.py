@@ -19,10 +19,10 @@ import msgspec
 import pytest
 import torch
 import zmq
-from pdserve.kv_transfer.wire import KVSetup, KVSetupReply
 
 from pdserve.cluster import ClusterConfig, LocalCluster, free_port
 from pdserve.config import ModelConfig
+from pdserve.kv_transfer.wire import KVSetup, KVSetupReply
 from pdserve.messages import (
     AbortRequest,
     KVAck,

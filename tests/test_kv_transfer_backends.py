@@ -14,9 +14,9 @@ import time
 import msgspec
 import pytest
 import torch
-from pdserve.kv_transfer import KVRefused, KVTransferError, ReservationTable
 
 from pdserve import kv_transfer
+from pdserve.kv_transfer import KVRefused, KVTransferError, ReservationTable
 from pdserve.messages import KVCommit, NodeInfo
 
 L, NB, BS, H, D = 3, 16, 4, 2, 8
@@ -485,6 +485,7 @@ def test_nccl_moves_long_runs_in_place_and_gathers_fragments(monkeypatch):
     """The sender's choice per send: blocks consecutive in both caches move straight out of the
     cache (no copy); fragmented ones are gathered first (one op instead of one per block)."""
     import nccl_backend as nb
+
     from pdserve.kv_transfer.base import block_runs
 
     assert block_runs([4, 5, 6, 9, 10], [0, 1, 2, 3, 4]) == [(4, 0, 3), (9, 3, 2)]

@@ -13,9 +13,9 @@ import time
 
 import pytest
 import torch
-from pdserve.kv_transfer import KVTransferError, ReservationTable
 
 from pdserve import kv_transfer
+from pdserve.kv_transfer import KVTransferError, ReservationTable
 from pdserve.messages import KVCommit, NodeInfo
 
 pytestmark = pytest.mark.gpu

@@ -15,9 +15,9 @@ from concurrent.futures import Future
 
 import pytest
 import torch
-from pdserve.kv_transfer import KVTransferError, ReservationTable
 
 from pdserve import kv_transfer
+from pdserve.kv_transfer import KVTransferError, ReservationTable
 from pdserve.messages import KVCommit, NodeInfo
 
 nixl_only = pytest.mark.skipif("nixl" not in kv_transfer.available_transports(), reason="nixl not installed")
@@ -183,6 +183,7 @@ def test_packed_sends_larger_than_the_staging_pools(monkeypatch):
     slots takes them in turns (the sender waits for its own READs, the receiver queues READs until
     a slot is free), and sends from several threads share the slots."""
     import nixl_backend as nb
+
     from pdserve.kv_transfer import staging
 
     slab = 2 * SMALL[2] * SMALL[1] * SMALL[3] * 4
@@ -370,9 +371,8 @@ def engine():
 
 @pytest.mark.parametrize("case", ["done", "aborted", "aborted, done at once", "done, aborted at once"])
 def test_prefill_service_frees_the_blocks_only_when_the_send_is_over(engine, case):
-    from pdserve.prefill_node.server import PrefillService
-
     from pdserve.messages import LandingDescriptor
+    from pdserve.prefill_node.server import PrefillService
     from pdserve.sampling_params import SamplingParams
 
     loop = _Loop()

@@ -8,9 +8,9 @@ import time
 import msgspec
 import pytest
 import torch
+
 from pdserve.kv_transfer import KVTransferError, ReservationTable
 from pdserve.kv_transfer.zmq_backend import ZmqReceiver, ZmqSender
-
 from pdserve.messages import KVCommit, NodeInfo
 
 L, NB, BS, H, D = 3, 12, 4, 2, 8

@@ -20,10 +20,10 @@ import torch
 import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from pdserve.kv_transfer import ReservationTable
 from pdserve.kv_transfer.wire import KVReadDone, KVReady, KVSend, KVSetup, KVSetupReply
 from pdserve.kv_transfer.zmq_backend import _REPLIES, _REQUESTS, MAX_FRAME_BYTES, ZmqReceiver, ZmqSender
-
 from pdserve.messages import (
     KVAck,
     KVBlocks,

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from pdserve.proxy.config import ProxyConfig
 
 from pdserve import envs
 from pdserve.config import NodeConfig
 from pdserve.prefix_index import redacted
+from pdserve.proxy.config import ProxyConfig
 
 
 def test_cluster_token_from_the_environment(monkeypatch):

@@ -14,11 +14,11 @@ import time
 
 import httpx
 import pytest
-from pdserve.proxy.config import ProxyConfig
 
 from pdserve.cluster import ClusterConfig, LocalCluster, free_port
 from pdserve.config import ModelConfig
 from pdserve.messages import NodeLoad, decode
+from pdserve.proxy.config import ProxyConfig
 
 MODEL = "SmolLM2-135M-Instruct"
 KEY = "sk-test-0123456789"

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
+
+from pdserve.messages import LogprobsMsg, TokenEvent
 from pdserve.proxy.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -18,8 +20,6 @@ from pdserve.proxy.protocol import (
     single_prompt,
 )
 from pdserve.proxy.responses import SSE_DONE, ChatBuilder, CompletionBuilder, TokenStrings, sse
-
-from pdserve.messages import LogprobsMsg, TokenEvent
 
 MAX_LEN = 100
 CAP = 32

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import httpx
 import pytest
+
+from pdserve.messages import NodeInfo, NodeLoad
 from pdserve.proxy.router import (
     ClusterError,
     LeastLoaded,
@@ -13,8 +15,6 @@ from pdserve.proxy.router import (
     RouteRequest,
     mismatches,
 )
-
-from pdserve.messages import NodeInfo, NodeLoad
 
 
 def info(role: str, **kw) -> NodeInfo:
@@ -150,9 +150,8 @@ def test_prefix_aware_decode_ranking_is_cached_prefix_within_load_slack():
 
 
 def test_conditional_disaggregation_plan():
-    from pdserve.proxy.dispatch import Dispatcher
-
     from pdserve.metrics import Registry
+    from pdserve.proxy.dispatch import Dispatcher
 
     r = Router(["http://p0"], ["http://d0"], httpx.AsyncClient(), both_urls=["http://b0"])
     for node, i in zip(r.nodes, [info("prefill"), info("decode", node_id="d0"), info("both", node_id="b0")]):
