@@ -85,7 +85,7 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     """Share of the GPU's memory that weights, activations and KV cache may use."""
     enable_prefix_caching: bool = True
-    """Reuse full blocks whose chained hash matches (DESIGN.md, prefix hashing)."""
+    """Reuse full blocks whose chained hash matches (docs/architecture.md, prefix hashing)."""
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

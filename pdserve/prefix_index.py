@@ -1,7 +1,7 @@
 """The cluster's prefix-cache index in Redis: nodes publish the block hashes they hold, the proxy
 asks which node holds the longest prefix of a prompt.
 
-Keys, all under ``pdserve:<model id>`` (the same namespace as the block hashes, DESIGN.md
+Keys, all under ``pdserve:<model id>`` (the same namespace as the block hashes, docs/architecture.md
 "Prefix hashing and the index")::
 
     <ns>:nodes           SET of registered node ids

@@ -2,7 +2,7 @@
 
 ``create_app(config)`` builds the FastAPI app; its lifespan resolves the model (for the
 tokenizer), waits for every node's ``NodeInfo`` and refuses to start when the cluster is
-incompatible (``ClusterError``). Per request (DESIGN.md, life of a request, steps 1-2 and 5):
+incompatible (``ClusterError``). Per request (docs/architecture.md, life of a request, steps 1 and 6):
 validate, apply the chat template, tokenize, then hand the prompt to the ``Dispatcher``
 (``proxy/dispatch.py``) and relay its ``TokenEvent``s as a response or as SSE.
 

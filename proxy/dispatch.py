@@ -1,4 +1,4 @@
-"""One request's trip through the cluster (DESIGN.md, life of a request, steps 3-6).
+"""One request's trip through the cluster (docs/architecture.md, life of a request, steps 2-6).
 
 1. Reserve KV blocks on a decode node (``/internal/reserve``), trying nodes in the policy's
    order; a node with no free blocks (503) sends us to the next, and when every node is

@@ -2,7 +2,7 @@
 how loaded they are, and a policy that orders them for each request.
 
 Start-up waits for every node's ``NodeInfo`` and refuses a cluster whose prefill and decode
-nodes disagree on anything that shapes the KV cache (DESIGN.md, compatibility checks): a
+nodes disagree on anything that shapes the KV cache (docs/architecture.md, compatibility checks): a
 block-size mismatch must stop the proxy, never fail every request later. Afterwards a
 poller reads each node's ``NodeLoad``; a node that stops answering leaves the candidate
 lists until it answers again, and a node that comes back is checked again before it is used.

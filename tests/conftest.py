@@ -1,8 +1,12 @@
-"""Shared fixtures: torch threads, the default model folder, tiny random HF checkpoints."""
+"""Shared fixtures: torch threads, the default model folder, tiny random HF checkpoints, local
+clusters of real processes."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -132,3 +136,29 @@ def redis_server(tmp_path):
         yield server
     finally:
         server.stop()
+
+
+@contextlib.contextmanager
+def running_cluster(tmp_path_factory, engine_flags: Sequence[str] = (), **options) -> Iterator:
+    """A ``LocalCluster`` of real processes on the default model: a free port, one torch thread
+    per node, logs in a fresh temporary folder, ``options`` for the rest of its ``ClusterConfig``.
+    Stopped (proxies drained, then nodes) on exit, whatever happened."""
+    from pdserve.cluster import ClusterConfig, LocalCluster, free_port
+    from pdserve.config import ModelConfig
+
+    options.setdefault("port", free_port())
+    options.setdefault("threads_per_node", 1)
+    options.setdefault("log_dir", str(tmp_path_factory.mktemp("logs")))
+    cluster = LocalCluster(ClusterConfig(**options), list(engine_flags), ModelConfig())
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def start_cluster(default_model_dir, tmp_path_factory):
+    """The one way tests start a cluster: ``with start_cluster(flags, prefill_nodes=2) as c: ...``
+    (in a module-scoped fixture, so a module's tests share it)."""
+    return functools.partial(running_cluster, tmp_path_factory)

@@ -13,8 +13,7 @@ import time
 import httpx
 import pytest
 
-from pdserve.cluster import ClusterConfig, LocalCluster, free_port
-from pdserve.config import ModelConfig
+from pdserve.cluster import LocalCluster
 from pdserve.messages import (
     AbortRequest,
     FrameReader,
@@ -35,25 +34,18 @@ BOUND = 2
 
 
 @pytest.fixture(scope="module")
-def cluster(default_model_dir, tmp_path_factory):
-    cfg = ClusterConfig(
-        port=free_port(),
+def cluster(start_cluster):
+    engine = ["--max-num-batched-tokens", "256", "--max-model-len", "2048"]
+    with start_cluster(
+        engine,
         prefill_nodes=1,
         decode_nodes=2,
-        threads_per_node=1,
-        log_dir=str(tmp_path_factory.mktemp("logs")),
         redis_url="none",
         min_remote_prefill_tokens=0,
         extra_node_flags=f"--max-waiting-requests {BOUND} --kv-cache-memory-gib 0.25",
         extra_proxy_flags="--admission-wait-s 0",
-    )
-    engine = ["--max-num-batched-tokens", "256", "--max-model-len", "2048"]
-    c = LocalCluster(cfg, engine, ModelConfig())
-    try:
-        c.start()
+    ) as c:
         yield c
-    finally:
-        c.stop()
 
 
 def _url(c: LocalCluster, role: str) -> str:

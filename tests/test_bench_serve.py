@@ -14,22 +14,16 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pdserve.cluster import ClusterConfig, LocalCluster, free_port
-from pdserve.config import ModelConfig
+from pdserve.cluster import LocalCluster
 from pdserve.metrics import parse_text
 
 MODEL = "SmolLM2-135M-Instruct"
 
 
 @pytest.fixture(scope="module")
-def cluster(default_model_dir, tmp_path_factory):
-    cfg = ClusterConfig(port=free_port(), threads_per_node=1, log_dir=str(tmp_path_factory.mktemp("logs")))
-    c = LocalCluster(cfg, [], ModelConfig())
-    try:
-        c.start()
+def cluster(start_cluster):
+    with start_cluster() as c:
         yield c
-    finally:
-        c.stop()
 
 
 def _url(c: LocalCluster, role: str) -> str:

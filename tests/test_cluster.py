@@ -8,8 +8,7 @@ import httpx
 import pytest
 
 from pdserve import LLM, SamplingParams
-from pdserve.cluster import ClusterConfig, LocalCluster, free_port
-from pdserve.config import ModelConfig
+from pdserve.cluster import LocalCluster
 
 PROMPTS = [
     "What is the capital of France?",
@@ -25,19 +24,9 @@ MAX_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
-def cluster(default_model_dir, tmp_path_factory):
-    cfg = ClusterConfig(
-        port=free_port(),
-        threads_per_node=1,
-        log_dir=str(tmp_path_factory.mktemp("logs")),
-        min_remote_prefill_tokens=0,  # every prompt through the prefill node
-    )
-    c = LocalCluster(cfg, [], ModelConfig())
-    try:
-        c.start()
+def cluster(start_cluster):
+    with start_cluster(min_remote_prefill_tokens=0) as c:  # every prompt through the prefill node
         yield c
-    finally:
-        c.stop()
 
 
 def _url(c: LocalCluster, role: str) -> str:

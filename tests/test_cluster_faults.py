@@ -13,8 +13,7 @@ import time
 import httpx
 import pytest
 
-from pdserve.cluster import ClusterConfig, LocalCluster, free_port
-from pdserve.config import ModelConfig
+from pdserve.cluster import LocalCluster
 from pdserve.messages import (
     FrameReader,
     NodeLoad,
@@ -31,21 +30,14 @@ MSGPACK = {"content-type": "application/msgpack"}
 
 
 @pytest.fixture(scope="module")
-def cluster(default_model_dir, tmp_path_factory):
-    cfg = ClusterConfig(
-        port=free_port(),
-        prefill_nodes=2,
-        threads_per_node=1,
-        log_dir=str(tmp_path_factory.mktemp("logs")),
-        min_remote_prefill_tokens=0,
-    )
+def cluster(start_cluster):
     # Small steps so a long prompt takes several engine steps to prefill.
-    c = LocalCluster(cfg, ["--max-num-batched-tokens", "128"], ModelConfig())
-    try:
-        c.start()
+    with start_cluster(
+        ["--max-num-batched-tokens", "128"],
+        prefill_nodes=2,
+        min_remote_prefill_tokens=0,
+    ) as c:
         yield c
-    finally:
-        c.stop()
 
 
 def _nodes(c: LocalCluster, role: str):

@@ -17,8 +17,7 @@ import time
 import httpx
 import pytest
 
-from pdserve.cluster import ClusterConfig, LocalCluster, free_port
-from pdserve.config import ModelConfig
+from pdserve.cluster import LocalCluster
 from pdserve.messages import FrameReader, NodeLoad, ReserveRequest, StreamRequest, TokenEvent, decode, encode
 from pdserve.sampling_params import SamplingParams
 
@@ -29,23 +28,16 @@ SHUTDOWN_TIMEOUT_S = 15.0
 
 
 @pytest.fixture(scope="module")
-def cluster(default_model_dir, tmp_path_factory):
-    cfg = ClusterConfig(
-        port=free_port(),
+def cluster(start_cluster):
+    with start_cluster(
+        ["--max-num-batched-tokens", "256", "--max-model-len", "2048"],
         prefill_nodes=2,
         decode_nodes=2,
-        threads_per_node=1,
-        log_dir=str(tmp_path_factory.mktemp("logs")),
         redis_url="none",
         min_remote_prefill_tokens=0,
         extra_node_flags=f"--shutdown-timeout-s {SHUTDOWN_TIMEOUT_S} --kv-cache-memory-gib 0.25",
-    )
-    c = LocalCluster(cfg, ["--max-num-batched-tokens", "256", "--max-model-len", "2048"], ModelConfig())
-    try:
-        c.start()
+    ) as c:
         yield c
-    finally:
-        c.stop()
 
 
 def _child(c: LocalCluster, role: str):

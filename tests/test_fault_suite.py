@@ -61,7 +61,7 @@ def test_stalled_kv_transfer(fc):
 def test_redis_killed_under_load(fc):
     if fc.cluster.redis is None:
         pytest.skip("no redis-server")
-    # Redis down means load-based routing, not failed requests (DESIGN.md).
+    # Redis down means load-based routing, not failed requests (docs/architecture.md).
     check(faults.redis_kill(fc, CI["redis_kill"]), CI["redis_kill"], no_errors=True)
 
 

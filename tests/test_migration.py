@@ -13,8 +13,7 @@ import httpx
 import pytest
 
 from pdserve import LLM, SamplingParams
-from pdserve.cluster import ClusterConfig, LocalCluster, free_port
-from pdserve.config import ModelConfig
+from pdserve.cluster import LocalCluster
 from pdserve.messages import AbortRequest, NodeLoad, ReserveRequest, decode, encode
 from pdserve.metrics import parse_text
 
@@ -35,24 +34,17 @@ LONG_PROMPT = "Tell me everything about the history of the world. " * 100  # ~10
 
 
 @pytest.fixture(scope="module")
-def cluster(default_model_dir, tmp_path_factory):
-    cfg = ClusterConfig(
-        port=free_port(),
+def cluster(start_cluster):
+    # Small steps so that the long prompt takes several engine steps to prefill.
+    with start_cluster(
+        ["--max-num-batched-tokens", "128"],
         prefill_nodes=2,
         decode_nodes=2,
-        threads_per_node=1,
-        log_dir=str(tmp_path_factory.mktemp("logs")),
         routing="round-robin",  # spread the streams over both decode nodes
         redis_url="none",
         min_remote_prefill_tokens=0,
-    )
-    # Small steps so that the long prompt takes several engine steps to prefill.
-    c = LocalCluster(cfg, ["--max-num-batched-tokens", "128"], ModelConfig())
-    try:
-        c.start()
+    ) as c:
         yield c
-    finally:
-        c.stop()
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,7 @@ import httpx
 import pytest
 import redis
 
-from pdserve.cluster import ClusterConfig, LocalCluster, free_port
-from pdserve.config import ModelConfig
+from pdserve.cluster import LocalCluster
 from pdserve.metrics import parse_text
 from pdserve.prefix_index import PrefixIndex
 
@@ -29,22 +28,14 @@ def system(tag: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def cluster(default_model_dir, tmp_path_factory):
-    cfg = ClusterConfig(
-        port=free_port(),
+def cluster(start_cluster):
+    with start_cluster(
         prefill_nodes=2,
         decode_nodes=1,
-        threads_per_node=1,
-        log_dir=str(tmp_path_factory.mktemp("logs")),
         min_remote_prefill_tokens=0,
         extra_node_flags=f"--heartbeat-ttl-s {TTL_S}",
-    )
-    c = LocalCluster(cfg, [], ModelConfig())
-    try:
-        c.start()
+    ) as c:
         yield c
-    finally:
-        c.stop()
 
 
 def proxy_url(c: LocalCluster) -> str:
