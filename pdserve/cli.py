@@ -85,7 +85,10 @@ def _cmd_node(args: argparse.Namespace) -> None:
 
     from pdserve.config import EngineConfig, NodeConfig, Role
 
-    node = config_from_args(NodeConfig, args)
+    try:
+        node = config_from_args(NodeConfig, args)
+    except ValueError as e:  # a bad flag combination: one line, no traceback
+        sys.exit(f"pdserve node: {e}")
     if node.role == Role.PREFILL:
         from pdserve.prefill_node.server import create_app
     else:  # decode, or both: a decode node that also prefills for others
@@ -192,7 +195,12 @@ def _cmd_bench_script(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="pdserve",
+        description="pdserve: disaggregated prefill/decode LLM serving. `pdserve up` starts a local "
+        "cluster with the OpenAI API on port 8000; `pdserve COMMAND --help` lists a command's flags, "
+        "each with its default.",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="offline generation on the local machine")
@@ -239,7 +247,15 @@ def build_parser() -> argparse.ArgumentParser:
     off.set_defaults(func=_cmd_bench_offline)
     from pdserve.benchmarks import serve
 
-    srv = bench_sub.add_parser("serve", help="load an OpenAI-compatible server: latency, throughput, goodput")
+    srv = bench_sub.add_parser(
+        "serve",
+        help="load an OpenAI-compatible server: latency, throughput, goodput",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog="example: pdserve bench serve --base-url http://127.0.0.1:8000 --dataset random "
+        "--num-prompts 64 --input-len 128 --output-len 64 --request-rate 4 --slo-ttft-ms 2000 "
+        "--slo-tpot-ms 200 --output-json serve.json (--sweep-rates 1,2,4,8 instead of --request-rate: "
+        "one run per rate, and the highest rate that meets both SLOs)",
+    )
     serve.add_cli_args(srv)
     srv.set_defaults(func=_cmd_bench_serve)
     for name, (_, help_text) in _SCRIPT_BENCHMARKS.items():

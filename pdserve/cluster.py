@@ -17,12 +17,13 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pdserve.config import DEFAULT_MODEL, ModelConfig, cpu_count
+from pdserve.config import ModelConfig, cpu_count
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,8 @@ class ClusterConfig:
     threads_per_node: int = 0
     """torch threads per node; 0 splits the machine's cores between the nodes."""
     log_dir: str = ""
-    """Where each role's log goes; empty means <cache dir>/logs."""
+    """Where each role's log goes; empty means a new folder for this run under <cache dir>/logs
+    (two clusters never write into each other's logs)."""
     startup_timeout_s: float = 900.0
     """How long to wait for every role to answer /health."""
     cluster_token: str = ""
@@ -59,6 +61,10 @@ class ClusterConfig:
     """More flags for every node, e.g. "--kv-transport zmq" (engine flags go directly)."""
     extra_proxy_flags: str = ""
     """More flags for the proxy, e.g. "--api-key KEY"."""
+
+
+class ClusterStartError(RuntimeError):
+    """The cluster cannot start; the message says why in one line."""
 
 
 @dataclass
@@ -205,12 +211,36 @@ class LocalCluster:
                 raise RuntimeError(f"{names} not healthy after {self.cfg.startup_timeout_s} s")
             time.sleep(0.25)
 
+    def check(self) -> None:
+        """What can fail before anything starts, each with one line saying why: the model (a bad path
+        or preset), the proxy's port (taken by another cluster, say). The default model is converted
+        here, once, before the nodes race for it."""
+        from pdserve.model_source import resolve_model
+
+        try:
+            resolve_model(self.model)
+        except (FileNotFoundError, ValueError) as e:
+            raise ClusterStartError(str(e)) from None
+        with socket.socket() as s:
+            s.setsockopt(
+                socket.SOL_SOCKET, socket.SO_REUSEADDR, 1
+            )  # as the server will: only a listener counts
+            try:
+                s.bind((self.cfg.host, self.cfg.port))
+            except OSError as e:
+                raise ClusterStartError(
+                    f"port {self.cfg.port} on {self.cfg.host} is taken ({e.strerror}): another pdserve up, "
+                    "or another server, listens there; stop it or pass --port"
+                ) from None
+
     def start(self) -> str:
         cfg = self.cfg
-        if self.model.model == DEFAULT_MODEL:
-            from pdserve.default_model import ensure_default_model
-
-            ensure_default_model(self.model.resolved_cache_dir)  # once, before the nodes race for it
+        self.check()
+        if not cfg.log_dir:  # a folder of this run's own
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            self.log_dir = Path(
+                tempfile.mkdtemp(prefix=time.strftime("run-%Y%m%d-%H%M%S-"), dir=self.log_dir)
+            )
         redis_url = self._start_redis()
         counts = (("prefill", cfg.prefill_nodes), ("decode", cfg.decode_nodes), ("both", cfg.both_nodes))
         num_nodes = sum(n for _, n in counts)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import ipaddress
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -238,7 +239,11 @@ class NodeConfig:
     """Longest a prefill node waits for the decode node to ack a request's KV."""
     cluster_token: str = ""
     """Shared secret required on internal APIs and KV messages (default: $PDSERVE_CLUSTER_TOKEN);
-    empty disables the check."""
+    empty disables the check, which a node bound to a non-loopback address refuses (see below)."""
+    insecure_no_cluster_token: bool = False
+    """Serve the internal API and the KV channel on a non-loopback --host/--kv-host without a
+    cluster token. Anyone who reaches such a node can reserve all its blocks or inject KV, so a
+    node refuses to start that way unless this is set."""
     node_id: str = ""
     """Name in logs and handshakes; empty means role@host:port."""
     redis_url: str = ""
@@ -262,12 +267,29 @@ class NodeConfig:
         except ValueError:
             choices = ", ".join(r.value for r in Role)
             raise ValueError(f"unknown node role {self.role!r}; choose one of {choices}") from None
+        exposed = [h for h in (self.host, self.kv_host) if not is_loopback(h)]
+        if exposed and not self.cluster_token and not self.insecure_no_cluster_token:
+            raise ValueError(
+                f"a node on {', '.join(dict.fromkeys(exposed))} without a cluster token would let anyone "
+                "who reaches it reserve its KV blocks and inject KV: pass --cluster-token (or set "
+                "PDSERVE_CLUSTER_TOKEN), bind to 127.0.0.1, or pass --insecure-no-cluster-token"
+            )
         if self.heartbeat_ttl_s <= 0:
             raise ValueError(f"heartbeat_ttl_s must be > 0, got {self.heartbeat_ttl_s}")
         if self.max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be >= 1, got {self.max_waiting_requests}")
         if self.shutdown_timeout_s < 0:
             raise ValueError(f"shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s}")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or a name) is reachable from this machine alone."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name other than localhost: assume it resolves to a reachable address
 
 
 def cpu_count() -> int:

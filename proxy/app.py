@@ -143,8 +143,9 @@ class ProxyMetrics:
     def __init__(self, registry: Registry) -> None:
         self.requests = registry.counter(
             "pdserve_requests_total",
-            "Generation requests by final status (HTTP status; 499 = client went away). A streaming "
-            "request that fails after its first token counts under its error's status.",
+            "Generation requests by final status (HTTP status; 499 = client went away), and every other "
+            "/v1/ request that ends in an error (an unknown path is a 404, a body over the limit a 413). "
+            "A streaming request that fails after its first token counts under its error's status.",
             ["status"],
         )
         self.running = registry.gauge("pdserve_requests_running", "Generation requests in flight.")
@@ -253,8 +254,10 @@ class Gate:
         self.app = app
         self.proxy = proxy
 
-    @staticmethod
-    async def _refuse(scope: Scope, send: Send, exc: ProxyError) -> None:
+    async def _refuse(self, scope: Scope, send: Send, exc: ProxyError) -> None:
+        """Answer a request the gate stops (401, 413, 429), counted like every API request."""
+        if scope["path"].startswith("/v1/"):
+            self.proxy.metrics.requests.labels(str(exc.status)).inc()
         await error_response(exc)(scope, _nothing, send)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -272,7 +275,6 @@ class Gate:
             return
         generation = scope["method"] == "POST" and path in GENERATION_PATHS
         if generation and self.proxy.num_inflight >= cfg.max_inflight_requests:
-            self.proxy.metrics.requests.labels("429").inc()
             message = f"the proxy is at its limit of {cfg.max_inflight_requests} requests in flight"
             await self._refuse(scope, send, ProxyError(429, message, code="too_many_requests", retry_after=1))
             return
@@ -617,7 +619,8 @@ def create_app(config: ProxyConfig, proxy: Proxy | None = None) -> FastAPI:
     app.add_middleware(Gate, proxy=proxy)
 
     def _count(request: Request, status: int) -> None:
-        if request.url.path in GENERATION_PATHS:
+        """Errors before a route ran (bad body, unknown path or method) of any API request."""
+        if request.url.path.startswith("/v1/"):
             proxy.metrics.requests.labels(str(status)).inc()
 
     @app.exception_handler(ProxyError)

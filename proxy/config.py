@@ -78,7 +78,8 @@ class ProxyConfig:
     a local prefill of even 8 tokens saves 12-20 ms of its TTFT but raises the streams' p99 TPOT
     from 9-11 ms to 22-33 ms (one mixed step), and at 2048 tokens it is slower for both."""
     default_max_tokens: int = 4096
-    """max_tokens of a request that sets none; the rest of the context caps it further."""
+    """max_tokens of a chat completion that sets none (a /v1/completions request without one gets
+    OpenAI's 16); the rest of the context caps it further."""
     admission_wait_s: float = 5.0
     """How long a request waits for free KV blocks on some decode node before a 429."""
     max_migrations: int = 2

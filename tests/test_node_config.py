@@ -1,6 +1,11 @@
-"""Node and proxy configuration: roles, the cluster token from the environment, URL lists."""
+"""Node and proxy configuration: roles, the cluster token from the environment, URL lists, exposed
+nodes without a token."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -31,3 +36,40 @@ def test_roles_and_url_lists():
 def test_redis_password_is_masked_in_logs():
     assert redacted("redis://:secret@10.0.0.1:6379/0") == "redis://:***@10.0.0.1:6379/0"
     assert redacted("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
+
+
+def test_exposed_node_needs_a_cluster_token(monkeypatch):
+    monkeypatch.setattr(envs, "PDSERVE_CLUSTER_TOKEN", "")
+    with pytest.raises(ValueError, match="without a cluster token"):
+        NodeConfig(host="0.0.0.0")
+    with pytest.raises(ValueError, match="10.1.2.3"):
+        NodeConfig(kv_host="10.1.2.3")
+    assert NodeConfig(host="0.0.0.0", cluster_token="s").host == "0.0.0.0"
+    assert NodeConfig(host="0.0.0.0", insecure_no_cluster_token=True).cluster_token == ""
+    assert NodeConfig(host="localhost", kv_host="::1").cluster_token == ""
+
+
+def test_cli_refuses_an_exposed_node_in_one_line():
+    """What the operator sees: one line saying why and what to pass, no traceback, nothing started."""
+    env = {k: v for k, v in os.environ.items() if k != "PDSERVE_CLUSTER_TOKEN"}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pdserve",
+            "node",
+            "--role",
+            "decode",
+            "--host",
+            "0.0.0.0",
+            "--model",
+            "random:tiny",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr
+    assert "--insecure-no-cluster-token" in proc.stderr.strip().splitlines()[-1]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import select
 import socket
 import threading
@@ -15,8 +16,7 @@ import time
 import httpx
 import pytest
 
-from pdserve.cluster import ClusterConfig, LocalCluster, free_port
-from pdserve.config import ModelConfig
+from pdserve.cluster import LocalCluster
 from pdserve.messages import NodeLoad, decode
 from pdserve.proxy.config import ProxyConfig
 
@@ -30,24 +30,17 @@ C, CH = "/v1/completions", "/v1/chat/completions"
 
 
 @pytest.fixture(scope="module")
-def cluster(default_model_dir, tmp_path_factory):
-    cfg = ClusterConfig(
-        port=free_port(),
-        threads_per_node=1,
-        log_dir=str(tmp_path_factory.mktemp("logs")),
+def cluster(start_cluster):
+    with start_cluster(
+        ["--max-model-len", str(MAX_MODEL_LEN)],
         redis_url="none",
         min_remote_prefill_tokens=0,
         extra_proxy_flags=(
             f"--api-key {KEY} --max-inflight-requests {MAX_INFLIGHT} --max-request-body-bytes {MAX_BODY} "
             "--default-max-tokens 8"
         ),
-    )
-    c = LocalCluster(cfg, ["--max-model-len", str(MAX_MODEL_LEN)], ModelConfig())
-    try:
-        c.start()
+    ) as c:
         yield c
-    finally:
-        c.stop()
 
 
 @pytest.fixture(scope="module")
@@ -283,6 +276,22 @@ def test_body_over_the_limit_is_a_413_by_content_length(url):
     body = json.dumps(comp(prompt="x" * MAX_BODY)).encode()
     error = assert_openai_error(post(url, C, body), 413, None, f"limit of {MAX_BODY} bytes")
     assert error["type"] == "invalid_request_error"
+
+
+def test_refused_and_unknown_requests_are_counted(url):
+    """pdserve_requests_total counts what the gate refuses (401, 413) and both kinds of 404."""
+
+    def count(status: int) -> float:
+        text = httpx.get(url + "/metrics", timeout=30).text
+        found = re.search(rf'^pdserve_requests_total{{status="{status}"}} (\S+)$', text, re.M)
+        return float(found.group(1)) if found else 0.0
+
+    before = {s: count(s) for s in (401, 404, 413)}
+    assert post(url, C, json.dumps(comp(prompt="x" * MAX_BODY)).encode()).status_code == 413
+    assert httpx.post(url + "/v1/completion", json=comp(), headers=AUTH, timeout=30).status_code == 404
+    assert post(url, C, json.dumps(comp(model="no-such-model")).encode()).status_code == 404
+    assert httpx.post(url + C, json=comp(), timeout=30).status_code == 401
+    assert {s: count(s) - n for s, n in before.items()} == {401: 1.0, 404: 2.0, 413: 1.0}
 
 
 def test_chunked_body_over_the_limit_is_a_413_while_it_streams_in(url):
