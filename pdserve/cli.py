@@ -132,11 +132,15 @@ def _cmd_proxy(args: argparse.Namespace) -> None:
     from pdserve.proxy.server import serve
 
     config = config_from_args(ProxyConfig, args)
-    print(f"pdserve proxy: http://{config.host}:{config.port}/v1", file=sys.stderr, flush=True)
+    workers = f" ({config.workers} workers)" if config.workers > 1 else ""
+    print(f"pdserve proxy: http://{config.host}:{config.port}/v1{workers}", file=sys.stderr, flush=True)
     try:
-        serve(config, log_level="warning")
+        status = serve(config, log_level="warning")
     except ClusterError as e:  # incompatible nodes, or nodes that never answered
         sys.exit(f"pdserve proxy: {e}")
+    except OSError as e:  # the port, with several workers (bound before they start)
+        sys.exit(f"pdserve proxy: cannot listen on {config.host}:{config.port}: {e.strerror}")
+    sys.exit(status)
 
 
 def _engine_flags(args: argparse.Namespace) -> list[str]:

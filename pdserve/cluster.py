@@ -9,7 +9,6 @@ SIGTERM, or when any child dies.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import shlex
 import shutil
@@ -24,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdserve.config import ModelConfig, cpu_count
+from pdserve.utils import die_with_parent
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,8 @@ class ClusterConfig:
     empty: every node sees what the launcher sees."""
     extra_node_flags: str = ""
     """More flags for every node, e.g. "--kv-transport zmq" (engine flags go directly)."""
+    proxy_workers: int = 0
+    """The proxy's --workers; 0 picks one per 8 cores of this machine, 1 to 8."""
     extra_proxy_flags: str = ""
     """More flags for the proxy, e.g. "--api-key KEY"."""
 
@@ -73,14 +75,6 @@ class _Child:
     url: str
     log: Path
     proc: subprocess.Popen = field(repr=False)
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM when the launcher dies, even by SIGKILL (Linux only), so
-    a killed `pdserve up` or test run leaves no nodes behind."""
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -126,7 +120,7 @@ class LocalRedis:
         cmd += ["--save", "", "--appendonly", "no"]
         with open(self.log, "a") as f:
             self.proc = subprocess.Popen(
-                cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent
+                cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent
             )
         deadline = time.monotonic() + timeout_s
         while True:
@@ -188,7 +182,7 @@ class LocalCluster:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
                 env=env,
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
             )
         child = _Child(f"{role}-{index}", f"http://127.0.0.1:{port}", log, proc)
         self.children.append(child)
@@ -259,6 +253,7 @@ class LocalCluster:
         self._wait_healthy(nodes)
         proxy_args = ["--host", cfg.host, "--port", str(cfg.port), "--model", self.model.model]
         proxy_args += [*token, *index, "--routing", cfg.routing]
+        proxy_args += ["--workers", str(cfg.proxy_workers or max(1, min(8, cpu_count() // 8)))]
         if cfg.min_remote_prefill_tokens >= 0:
             proxy_args += ["--min-remote-prefill-tokens", str(cfg.min_remote_prefill_tokens)]
         if self.model.cache_dir:

@@ -190,9 +190,18 @@ class _GaugeChild:
 
 
 class Gauge(_Metric):
-    """A value that goes up and down."""
+    """A value that goes up and down. ``merge`` says how processes' values combine on a shared
+    /metrics (``merge_snapshots``): ``sum`` (requests in flight) or ``max`` (a node seen up by any)."""
 
     type_name = "gauge"
+
+    def __init__(
+        self, name: str, documentation: str, labelnames: Iterable[str] = (), merge: str = "sum"
+    ) -> None:
+        super().__init__(name, documentation, labelnames)
+        if merge not in ("sum", "max"):
+            raise ValueError(f"gauge {name}: merge must be sum or max, got {merge!r}")
+        self.merge = merge
 
     def _new_child(self) -> _GaugeChild:
         return _GaugeChild()
@@ -303,8 +312,10 @@ class Registry:
     def counter(self, name: str, documentation: str, labelnames: Iterable[str] = ()) -> Counter:
         return self.register(Counter(name, documentation, labelnames))
 
-    def gauge(self, name: str, documentation: str, labelnames: Iterable[str] = ()) -> Gauge:
-        return self.register(Gauge(name, documentation, labelnames))
+    def gauge(
+        self, name: str, documentation: str, labelnames: Iterable[str] = (), merge: str = "sum"
+    ) -> Gauge:
+        return self.register(Gauge(name, documentation, labelnames, merge))
 
     def histogram(
         self,
@@ -325,6 +336,56 @@ class Registry:
         for metric in metrics:
             lines.extend(metric.render())
         return "\n".join(lines) + "\n" if lines else ""
+
+    def snapshot(self) -> list[dict]:
+        """Every metric's samples as plain data (JSON-able), for ``merge_snapshots`` in another
+        process: ``{name, type, help, merge, samples: [[sample name with labels, value], ...]}``."""
+        with self._lock:
+            metrics = list(self._metrics.values())
+        out = []
+        for metric in metrics:
+            lines = metric.render()
+            samples = [line.rsplit(" ", 1) for line in lines[2:]]
+            out.append(
+                {
+                    "name": metric.name,
+                    "type": metric.type_name,
+                    "help": metric.documentation,
+                    "merge": getattr(metric, "merge", "sum"),
+                    "samples": [[key, float(value)] for key, value in samples],
+                }
+            )
+        return out
+
+
+def merge_snapshots(snapshots: Sequence[list[dict]]) -> str:
+    """One exposition for several processes' ``Registry.snapshot()`` (the proxy's workers): counters
+    and histograms add up sample by sample, gauges add up or take the largest (``Gauge.merge``).
+    Metrics and samples keep the order in which they first appear."""
+    merged: dict[str, dict] = {}
+    for snapshot in snapshots:
+        for metric in snapshot:
+            into = merged.setdefault(
+                metric["name"],
+                {**metric, "samples": {}},  # sample key -> value
+            )
+            samples = into["samples"]
+            for key, value in metric["samples"]:
+                if key not in samples:
+                    samples[key] = value
+                elif metric["type"] == "gauge" and metric["merge"] == "max":
+                    samples[key] = max(samples[key], value)
+                else:
+                    samples[key] += value
+    lines: list[str] = []
+    for metric in merged.values():
+        lines.append(f"# HELP {metric['name']} {_escape_help(metric['help'])}")
+        lines.append(f"# TYPE {metric['name']} {metric['type']}")
+        for key, value in metric["samples"].items():
+            if metric["type"] == "histogram" and (key.endswith("_count") or "_bucket{" in key):
+                value = int(value)  # counts stay integers, as a single process writes them
+            lines.append(f"{key} {format_value(value)}")
+    return "\n".join(lines) + "\n" if lines else ""
 
 
 def parse_text(text: str) -> dict[str, float]:

@@ -60,6 +60,7 @@ from pdserve.proxy.protocol import (
 )
 from pdserve.proxy.responses import SSE_DONE, ChatBuilder, CompletionBuilder, TokenStrings, sse
 from pdserve.proxy.router import POLICIES, ClusterError, Router
+from pdserve.proxy.workers import SharedMetrics
 from pdserve.tokenizer import apply_chat_template, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -175,7 +176,7 @@ class ProxyMetrics:
         )
         self.generation_tokens = registry.counter("pdserve_generation_tokens_total", "Output tokens.")
         self.node_up = registry.gauge(
-            "pdserve_node_up", "1 when the node answers and is compatible.", ["role", "node"]
+            "pdserve_node_up", "1 when the node answers and is compatible.", ["role", "node"], merge="max"
         )
         self.node_inflight = registry.gauge(
             "pdserve_node_requests_in_flight", "This proxy's requests on the node.", ["role", "node"]
@@ -343,8 +344,9 @@ def _num_text_chars(body: CompletionRequest | ChatCompletionRequest) -> int:
 class Proxy:
     """A running proxy's state: tokenizer, router, dispatcher, metrics."""
 
-    def __init__(self, config: ProxyConfig) -> None:
+    def __init__(self, config: ProxyConfig, shared_metrics: SharedMetrics | None = None) -> None:
         self.config = config
+        self.shared_metrics = shared_metrics  # set in a worker of several: /metrics answers for all
         self.registry = Registry()
         self.metrics = ProxyMetrics(self.registry)
         self.num_inflight = 0  # generation requests past the Gate, streams until their last byte
@@ -671,6 +673,8 @@ def create_app(config: ProxyConfig, proxy: Proxy | None = None) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(proxy.registry.render(), media_type=CONTENT_TYPE)
+        shared = proxy.shared_metrics
+        text = shared.render(proxy.registry) if shared is not None else proxy.registry.render()
+        return Response(text, media_type=CONTENT_TYPE)
 
     return app

@@ -59,8 +59,12 @@ class ProxyConfig:
     max_request_body_bytes: int = 32 * 1024 * 1024
     """Largest request body accepted; a larger one is a 413, refused as its bytes arrive (a
     Content-Length over it is refused before any are read)."""
+    workers: int = 1
+    """Proxy worker processes sharing the port, each a whole proxy with its own routing state (one
+    process relays about one core's worth of tokens). /metrics on any of them sums all; SIGTERM
+    drains them all. --max-inflight-requests holds per worker."""
     max_inflight_requests: int = 4096
-    """Generation requests this proxy runs at once, streams included until their last byte; one
+    """Generation requests this proxy (each worker) runs at once, streams included until their last byte; one
     more is a 429 with Retry-After. Each costs about three open files (client socket, prefill and
     decode streams): keep it below a third of `ulimit -n`. Decode nodes bound their own queues
     by KV blocks (--admission-wait-s); this bounds the proxy's memory and sockets before that."""
@@ -120,6 +124,8 @@ class ProxyConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.shutdown_timeout_s < 0:
             raise ValueError(f"shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s}")
+        if self.workers < 1:
+            raise ValueError(f"workers must be >= 1, got {self.workers}")
         if self.max_migrations < 0:
             raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations}")
         if self.admission_wait_s < 0:

@@ -23,8 +23,10 @@ import asyncio
 import contextlib
 import json
 import logging
+import socket
 import threading
 import time
+from collections.abc import Callable
 from types import FrameType
 
 import uvicorn
@@ -34,6 +36,7 @@ from pdserve.proxy.app import Proxy, create_app
 from pdserve.proxy.config import ProxyConfig
 from pdserve.proxy.protocol import error_body
 from pdserve.proxy.responses import SSE_DONE, sse
+from pdserve.proxy.workers import SNAPSHOT_INTERVAL_S, SharedMetrics, run_workers
 
 logger = logging.getLogger(__name__)
 
@@ -203,21 +206,53 @@ def _uvicorn_config(
     )
 
 
-async def serve_async(config: ProxyConfig, log_level: str = "info") -> None:
-    proxy = Proxy(config)
+async def serve_async(
+    config: ProxyConfig,
+    log_level: str = "info",
+    sockets: list[socket.socket] | None = None,
+    shared: SharedMetrics | None = None,
+    ready: Callable[[], None] | None = None,
+) -> None:
+    """Run one proxy until a signal and its drain. A worker of several (workers.py) passes the
+    listening socket it inherited, its side of the shared /metrics, and ``ready`` to call once it
+    serves."""
+    proxy = Proxy(config, shared_metrics=shared)
     await proxy.start()
+    publisher = asyncio.ensure_future(_publish_metrics(proxy, shared)) if shared is not None else None
     try:
         inflight = InFlight(create_app(config, proxy))
         uv_config = _uvicorn_config(config, proxy, log_level, inflight)
-        await DrainingServer(uv_config, inflight, config.shutdown_timeout_s).serve()
+        server = DrainingServer(uv_config, inflight, config.shutdown_timeout_s)
+        serving = asyncio.ensure_future(server.serve(sockets))
+        while not server.started and not serving.done():
+            await asyncio.sleep(0.01)
+        if ready is not None and server.started:
+            ready()
+        await serving
     finally:
+        if publisher is not None:
+            publisher.cancel()
         await proxy.close()
 
 
-def serve(config: ProxyConfig, log_level: str = "info") -> None:
-    """Run the proxy until SIGINT/SIGTERM, then drain (module docstring). Raises ``ClusterError``
-    before listening when the nodes do not answer within ``startup_timeout_s`` or are incompatible."""
+async def _publish_metrics(proxy: Proxy, shared: SharedMetrics) -> None:
+    while True:
+        try:
+            shared.publish(proxy.registry)
+        except OSError:
+            logger.warning("could not write this worker's metrics snapshot", exc_info=True)
+        await asyncio.sleep(SNAPSHOT_INTERVAL_S)
+
+
+def serve(config: ProxyConfig, log_level: str = "info") -> int:
+    """Run the proxy until SIGINT/SIGTERM, then drain (module docstring); with ``config.workers``
+    above 1, as that many worker processes on the port (workers.py). Raises ``ClusterError``
+    before listening when the nodes do not answer within ``startup_timeout_s`` or are incompatible
+    (one worker), or returns a non-zero status (several). Returns the exit status."""
+    if config.workers > 1:
+        return run_workers(config, log_level)
     asyncio.run(serve_async(config, log_level))
+    return 0
 
 
 class ProxyServer:

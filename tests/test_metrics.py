@@ -174,3 +174,30 @@ def test_threads_do_not_lose_increments():
 
 def test_content_type():
     assert CONTENT_TYPE == "text/plain; version=0.0.4; charset=utf-8"
+
+
+def test_snapshots_of_several_processes_merge():
+    """What a proxy worker's /metrics shows for all workers: counters and histograms add up, a
+    gauge adds up or takes the largest."""
+    from pdserve.metrics import merge_snapshots, parse_text
+
+    regs = [Registry(), Registry()]
+    for n, reg in enumerate(regs, start=1):
+        reg.counter("req_total", "R.", ["status"]).labels("200").inc(n)
+        reg.gauge("running", "Running.").set(n)
+        reg.gauge("up", "Up.", ["node"], merge="max").labels("a").set(n - 1)
+        reg.histogram("lat", "L.", buckets=(0.1, 1.0)).observe(0.05 * n)
+    regs[1].get("req_total").labels("500").inc()
+    text = merge_snapshots([r.snapshot() for r in regs])
+    assert parse_text(text) == {
+        'req_total{status="200"}': 3.0,
+        'req_total{status="500"}': 1.0,
+        "running": 3.0,
+        'up{node="a"}': 1.0,
+        'lat_bucket{le="0.1"}': 2.0,
+        'lat_bucket{le="1.0"}': 2.0,
+        'lat_bucket{le="+Inf"}': 2.0,
+        "lat_sum": 0.05 + 0.1,
+        "lat_count": 2.0,
+    }
+    assert "# TYPE lat histogram" in text and 'lat_bucket{le="0.1"} 2\n' in text
