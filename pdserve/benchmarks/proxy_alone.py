@@ -41,6 +41,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+GRACE_S = 5.0
+"""After the measured window, how long a client waits for the streams it has open."""
 MODEL = "SmolLM2-135M-Instruct"  # the default model's id: the proxy loads its tokenizer
 VOCAB = 49152
 
@@ -216,11 +218,14 @@ def _run_client(
                 reader, writer = await asyncio.open_connection("127.0.0.1", port)
             started = time.monotonic()
             writer.write(request)
-            tail, ok = b"", False
+            tail, ok, cut = b"", False, False
             while True:
-                chunk = await reader.read(65536)
+                left = until + GRACE_S - time.monotonic()
+                try:  # a stream still open GRACE_S after the window is cut off
+                    chunk = await asyncio.wait_for(reader.read(65536), max(0.01, left))
+                except asyncio.TimeoutError:
+                    chunk, cut = b"", True
                 if not chunk:
-                    writer = None
                     break
                 seen = tail + chunk
                 now = time.monotonic()
@@ -231,23 +236,24 @@ def _run_client(
                 if b"data: [DONE]" in seen:
                     ok = seen.rstrip().endswith(b"0")  # the chunked body's last chunk follows [DONE]
                     if not ok:
-                        rest = await reader.readuntil(b"0\r\n\r\n")
-                        ok = bool(rest)
+                        try:
+                            ok = bool(await asyncio.wait_for(reader.readuntil(b"0\r\n\r\n"), max(0.01, left)))
+                        except (asyncio.TimeoutError, asyncio.IncompleteReadError):
+                            cut = True
                     break
                 tail = seen[-16:]
-            if started >= measure_from and ok:
+            if ok and started >= measure_from:
                 totals["streams"] += 1
                 totals["durations"].append(time.monotonic() - started)
-            if not ok:
-                totals["failed"] += 1
-                if writer is not None:
-                    writer.close()
+            elif not ok:
+                totals["cut_off" if cut else "failed"] += 1
+                writer.close()
                 writer = None
         if writer is not None:
             writer.close()
 
     async def main() -> dict:
-        totals = {"tokens": 0, "streams": 0, "failed": 0, "errors": 0, "durations": []}
+        totals = {"tokens": 0, "streams": 0, "failed": 0, "cut_off": 0, "errors": 0, "durations": []}
         await asyncio.gather(*(user(i, totals) for i in range(streams)))
         return totals
 
@@ -339,7 +345,7 @@ def run_point(args, prefill_url: str, decode_urls: list[str], workers: int, conc
         cpu0, t0 = _cpu_seconds(pids), time.monotonic()
         time.sleep(max(0.0, until - time.monotonic()))
         cpu1, t1 = _cpu_seconds(pids), time.monotonic()
-        totals = [out.get(timeout=args.duration_s + 120) for _ in procs]
+        totals = [out.get(timeout=GRACE_S + 60) for _ in procs]
         for p in procs:
             p.join()
         metrics = parse_text(_get(url + "/metrics"))
@@ -364,6 +370,7 @@ def run_point(args, prefill_url: str, decode_urls: list[str], workers: int, conc
         "proxy_cpu_us_per_token": (cpu1 - cpu0) / tokens * 1e6 if tokens else None,
         "streams_completed": sum(t["streams"] for t in totals),
         "streams_failed": sum(t["failed"] for t in totals),
+        "streams_cut_off": sum(t["cut_off"] for t in totals),  # still open GRACE_S after the window
         "error_events": sum(t["errors"] for t in totals),
         "stream_s_p50": statistics.median(durations) if durations else None,
         "stream_s_p90": durations[int(0.9 * (len(durations) - 1))] if durations else None,
@@ -416,6 +423,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"{row['proxy_cpu_us_per_token'] or 0:.0f} us CPU/token, "
                     f"stream p50 {row['stream_s_p50'] or 0:.2f} s "
                     f"(ideal {row['stream_ideal_s']:.2f}), failed {row['streams_failed']}, "
+                    f"cut off {row['streams_cut_off']}, "
                     f"migrations {row['migrations']:.0f}",
                     flush=True,
                 )
