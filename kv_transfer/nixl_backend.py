@@ -46,13 +46,14 @@ Everything between the two nodes but the bytes themselves travels on the control
 no thread hand-off on the decode node, and the prefill node's sender wakes on the reply rather
 than polling for a NIXL notification. Agent metadata is exchanged inside ``KVSetup``/
 ``KVSetupReply`` on that authenticated connection, whose handshake is resent until the listener
-answers, rather than through NIXL's own listener (``NixlOffer``/``NixlAccept``). UCX reads
-``UCX_TLS`` and ``UCX_NET_DEVICES`` from the environment; ``NixlOptions``' ``ucx_net_devices``
-(NIXL's ``ucx_devices`` parameter) and ``ucx_tls`` set them per node. Agents run without NIXL's
-progress thread (idle, it costs ~40% of a core here): the decode node progresses UCX while its
-READs run (the control loop polls them), the prefill node every millisecond while it waits for a
-READ's end (transports that need the target's help, such as TCP, and a first connection's
-wire-up).
+answers, rather than through NIXL's own listener (``NixlOffer``/``NixlAccept``). Options
+(``NixlOptions``): ``ucx_net_devices`` travels as NIXL's ``ucx_devices`` parameter; ``ucx_tls``
+and the CUDA IPC READ switch reach UCX only through the environment (NIXL's UCX backend passes no
+UCX variables on), which ``pdserve.envs.set_up_ucx`` writes once per process, before its first
+agent. Agents run without NIXL's progress thread (idle, it costs ~40% of a core here): the
+decode node progresses UCX while its READs run (the control loop polls them), the prefill node
+every millisecond while it waits for a READ's end (transports that need the target's help, such as
+TCP, and a first connection's wire-up).
 """
 
 from __future__ import annotations
@@ -62,7 +63,6 @@ import contextlib
 import itertools
 import logging
 import math
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -71,6 +71,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from pdserve import envs
 from pdserve.kv_transfer.base import (
     KVRefused,
     KVTransferError,
@@ -153,13 +154,9 @@ def _agent(role: str, options: NixlOptions):
 
     from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
-    if options.ucx_tls:
-        os.environ["UCX_TLS"] = options.ucx_tls  # UCX reads it when the backend starts, just below
-    # UCX leaves CUDA IPC READs (get_zcopy) off where it finds no NVLink ("auto"): on PCIe-only
-    # hosts, and between two processes on one GPU, VRAM READs then crawl through a staging
-    # pipeline (0.5 GB/s measured on one H100, where a WRITE took 780 GB/s). The decode node
-    # READs, so turn them on unless the operator chose otherwise.
-    os.environ.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "on")
+    # UCX reads its environment when the backend starts, just below: CUDA IPC READs on unless the
+    # operator chose otherwise (``envs.UCX_CUDA_IPC_GET_ZCOPY_DEFAULT`` says why), ``ucx_tls``.
+    envs.set_up_ucx(options.ucx_tls)
     config = nixl_agent_config(
         enable_prog_thread=False, backends=[], sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
     )

@@ -9,6 +9,8 @@ import dataclasses
 import multiprocessing as mp
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 import types
@@ -90,17 +92,30 @@ def test_non_contiguous_ids_and_caches_of_different_sizes():
 
 
 @nixl_only
-def test_cuda_ipc_reads_are_turned_on_unless_the_operator_chose(monkeypatch):
+def test_cuda_ipc_reads_are_turned_on_unless_the_operator_chose():
     """UCX leaves CUDA IPC READs off without NVLink (one GPU, PCIe): the agents turn them on, since
-    the decode node READs, but an operator's own UCX_CUDA_IPC_ENABLE_GET_ZCOPY stands."""
-    from pdserve.kv_transfer.nixl_backend import NixlOptions, _agent
+    the decode node READs, but an operator's own UCX_CUDA_IPC_ENABLE_GET_ZCOPY stands. The choice
+    is made in ``pdserve.envs`` (``ucx_environment``) and written once per process, before its
+    first agent (``set_up_ucx``): each case runs in a fresh process."""
+    from pdserve import envs
 
-    monkeypatch.delenv("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", raising=False)
-    _agent("test", NixlOptions())
-    assert os.environ["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] == "on"
-    monkeypatch.setenv("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "off")
-    _agent("test", NixlOptions())
-    assert os.environ["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] == "off"
+    assert envs.ucx_environment(environ={})["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] == "on"
+    chosen = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "off"}
+    assert "UCX_CUDA_IPC_ENABLE_GET_ZCOPY" not in envs.ucx_environment(environ=chosen)
+    code = (
+        "import os\n"
+        "from pdserve.kv_transfer.nixl_backend import NixlOptions, _agent\n"
+        "_agent('test', NixlOptions())\n"
+        "print(os.environ['UCX_CUDA_IPC_ENABLE_GET_ZCOPY'])\n"
+    )
+    for operator, expected in ((None, "on"), ("off", "off")):
+        env = {k: v for k, v in os.environ.items() if k != "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"}
+        if operator is not None:
+            env["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] = operator
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=True
+        )
+        assert out.stdout.split()[-1] == expected, out.stderr[-2000:]
 
 
 @nixl_only
