@@ -29,8 +29,8 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.request import RequestStatus
 from pdserve.kv_transfer import ReservationTable
+from pdserve.kv_transfer.messages import KVCommit
 from pdserve.messages import (
-    KVCommit,
     LandingDescriptor,
     LogprobsMsg,
     ReserveRequest,

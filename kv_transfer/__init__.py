@@ -32,9 +32,10 @@ The API has two halves.
   commit, or fails with a clear error on timeout or a dead peer. The caller keeps the source
   blocks unchanged until then.
 
-Backends (``kv_transfer/<name>_backend.py``): every one speaks the same control protocol on a
-ZeroMQ connection (handshake, transport set-up, renewals, commits: ``zmq_backend``) and moves
-the blocks on its own data plane:
+**Transports as plugins.** Every transport speaks the same control protocol on one ZeroMQ
+connection (handshake, transport set-up, renewals, commits: the control host, ``control``) and
+moves the blocks on its own data plane, behind the typed interfaces of ``plane``
+(``ReceiverPlane``, ``SenderPlane``, ``SenderSession``; their docstrings state the contract):
 
 * ``zmq``: CPU-staged frames on that connection; runs everywhere.
 * ``nixl``: the decode node READs the blocks in place, by descriptor, out of the prefill node's
@@ -42,16 +43,31 @@ the blocks on its own data plane:
 * ``nccl``: send/recv on a communicator per prefill-decode pair (torch.distributed's NCCL
   backend for CUDA caches, gloo for CPU caches: one code path), on its own CUDA stream.
 
+Each is configured by its own options object (``ZmqOptions``, ``NixlOptions`` with its
+``StagingOptions``, ``NcclOptions``: frozen dataclasses whose defaults are the tuned values),
+passed to ``create_sender``/``create_receiver`` (a node passes none: the defaults); nothing
+rewrites a module's globals. Every message on the connection lives in ``messages``. Adding a
+transport means one new file (``<name>_backend.py``: its options, its two planes, a
+``TransportPlugin``) and one entry in ``REGISTRY`` below (plus its set-up structs and data
+messages in ``messages``, the one home of the wire, if it needs any).
+
+Modules: ``base`` (the two halves' interfaces, ``ReservationTable``, block helpers), ``control``
+(the control host: ``ControlSender``, ``ControlReceiver``), ``plane`` (the plane interfaces and
+``TransportPlugin``), ``messages``, ``zmq_backend``, ``nixl_backend`` (with ``staging``, its
+packing slots) and ``nccl_backend``.
+
 A node is configured with ``auto``, one name, or a comma-separated order of preference. A
 sender offers its list at set-up and the receiver takes the first one it accepts too, so two
 ``auto`` nodes agree on the best transport both have; with nothing in common the set-up is
-refused, naming both lists. ``auto`` is nixl > nccl > zmq among what is available on a host
-with CUDA, and zmq alone on a CPU-only host, where zmq is the default (pick ``nixl`` or ``nccl``
-explicitly to move DRAM with them).
+refused, naming both lists. ``auto`` is nixl > nccl > zmq (``REGISTRY``'s order) among what is
+available on a host with CUDA, and zmq alone on a CPU-only host, where zmq is the default (pick
+``nixl`` or ``nccl`` explicitly to move DRAM with them).
 """
 
 import functools
+from collections.abc import Sequence
 
+from pdserve.kv_transfer import nccl_backend, nixl_backend, zmq_backend
 from pdserve.kv_transfer.base import (
     KVReceiver,
     KVRefused,
@@ -60,14 +76,26 @@ from pdserve.kv_transfer.base import (
     ReservationTable,
     check_compatible,
 )
+from pdserve.kv_transfer.control import ControlReceiver, ControlSender
+from pdserve.kv_transfer.nccl_backend import NcclOptions
+from pdserve.kv_transfer.nixl_backend import NixlOptions
+from pdserve.kv_transfer.plane import TransportPlugin
+from pdserve.kv_transfer.staging import StagingOptions
+from pdserve.kv_transfer.zmq_backend import ZmqOptions
 
 __all__ = [
     "KVReceiver",
     "KVRefused",
     "KVSender",
     "KVTransferError",
+    "NcclOptions",
+    "NixlOptions",
+    "REGISTRY",
     "ReservationTable",
+    "StagingOptions",
     "TRANSPORTS",
+    "TransportPlugin",
+    "ZmqOptions",
     "auto_transports",
     "available_transports",
     "check_compatible",
@@ -77,8 +105,14 @@ __all__ = [
     "transport_preferences",
 ]
 
-TRANSPORTS = ("nixl", "nccl", "zmq")
-"""Every backend, best first."""
+REGISTRY: dict[str, TransportPlugin] = {
+    "nixl": nixl_backend.PLUGIN,
+    "nccl": nccl_backend.PLUGIN,
+    "zmq": zmq_backend.PLUGIN,
+}
+"""Every transport, best first (the order ``auto`` prefers)."""
+
+TRANSPORTS = tuple(REGISTRY)
 
 
 def _cuda() -> bool:
@@ -87,27 +121,18 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
-def _nccl_available() -> bool:
-    import torch.distributed as dist
-
-    if not dist.is_available():
-        return False
-    return dist.is_nccl_available() if _cuda() else dist.is_gloo_available()
-
-
 @functools.cache
 def available_transports() -> tuple[str, ...]:
-    """Backends that can run here, best first (nccl runs on gloo without CUDA)."""
-    from pdserve.kv_transfer.nixl_backend import nixl_available
-
-    found = {"nixl": nixl_available(), "nccl": _nccl_available(), "zmq": True}
-    return tuple(name for name in TRANSPORTS if found[name])
+    """Transports that can run here, best first (nccl runs on gloo without CUDA)."""
+    return tuple(name for name, plugin in REGISTRY.items() if plugin.available())
 
 
 def auto_transports() -> tuple[str, ...]:
-    """What ``auto`` offers and accepts: all available transports, best first, on a CUDA host; zmq
-    on a CPU-only one."""
-    return available_transports() if _cuda() else ("zmq",)
+    """What ``auto`` offers and accepts: all available transports, best first, on a CUDA host; those
+    meant for the CPU (zmq) on a CPU-only one."""
+    if _cuda():
+        return available_transports()
+    return tuple(name for name in available_transports() if REGISTRY[name].auto_on_cpu)
 
 
 def transport_preferences(name: str) -> tuple[str, ...]:
@@ -115,7 +140,7 @@ def transport_preferences(name: str) -> tuple[str, ...]:
     if name == "auto":
         return auto_transports()
     names = tuple(dict.fromkeys(part.strip() for part in name.split(",") if part.strip()))
-    unknown = [n for n in names if n not in TRANSPORTS]
+    unknown = [n for n in names if n not in REGISTRY]
     if not names or unknown:
         raise ValueError(f"unknown KV transport {name!r}; choose auto or from {', '.join(TRANSPORTS)}")
     missing = [n for n in names if n not in available_transports()]
@@ -132,47 +157,36 @@ def resolve_transport(name: str) -> str:
     return transport_preferences(name)[0]
 
 
+def _plugins(name: str, options: Sequence[object]) -> list[tuple[TransportPlugin, object]]:
+    """The plugins ``name`` selects, in order of preference, each with its options object from
+    ``options`` (matched by type; the defaults where none is given)."""
+    known = tuple(plugin.options for plugin in REGISTRY.values())
+    stray = [type(o).__name__ for o in options if not isinstance(o, known)]
+    if stray:
+        raise TypeError(f"not a KV transport's options: {', '.join(stray)}")
+    chosen = []
+    for transport in transport_preferences(name):
+        plugin = REGISTRY[transport]
+        given = [o for o in options if isinstance(o, plugin.options)]
+        chosen.append((plugin, given[-1] if given else plugin.options()))
+    return chosen
+
+
 def create_receiver(
     name: str,
     host: str = "127.0.0.1",
     port: int = 0,
     cluster_token: str = "",
-    ucx_net_devices: str = "",
-    ucx_tls: str = "",
+    options: Sequence[object] = (),
 ) -> KVReceiver:
-    """A decode-side receiver accepting ``name``'s transports (see ``transport_preferences``)."""
-    from pdserve.kv_transfer.zmq_backend import ZmqReceiver
-
-    names = transport_preferences(name)
-    planes = []
-    if "nixl" in names:
-        from pdserve.kv_transfer.nixl_backend import NixlReceiverPlane
-
-        planes.append(NixlReceiverPlane(ucx_net_devices=ucx_net_devices, ucx_tls=ucx_tls))
-    if "nccl" in names:
-        from pdserve.kv_transfer.nccl_backend import NcclReceiverPlane
-
-        planes.append(NcclReceiverPlane())
-    return ZmqReceiver(host, port, cluster_token, planes=planes, transports=names)
+    """A decode-side receiver accepting ``name``'s transports (see ``transport_preferences``),
+    each configured by its options object in ``options`` (defaults for the others)."""
+    planes = [plugin.receiver_plane(opts) for plugin, opts in _plugins(name, options)]
+    return ControlReceiver(planes, host, port, cluster_token)
 
 
-def create_sender(
-    name: str,
-    cluster_token: str = "",
-    ucx_net_devices: str = "",
-    ucx_tls: str = "",
-) -> KVSender:
-    """A prefill-side sender offering ``name``'s transports in order (see ``transport_preferences``)."""
-    from pdserve.kv_transfer.zmq_backend import ZmqSender
-
-    names = transport_preferences(name)
-    planes = []
-    if "nixl" in names:
-        from pdserve.kv_transfer.nixl_backend import NixlSenderPlane
-
-        planes.append(NixlSenderPlane(ucx_net_devices=ucx_net_devices, ucx_tls=ucx_tls))
-    if "nccl" in names:
-        from pdserve.kv_transfer.nccl_backend import NcclSenderPlane
-
-        planes.append(NcclSenderPlane())
-    return ZmqSender(cluster_token, planes=planes, transports=names)
+def create_sender(name: str, cluster_token: str = "", options: Sequence[object] = ()) -> KVSender:
+    """A prefill-side sender offering ``name``'s transports in order (see ``transport_preferences``),
+    each configured by its options object in ``options`` (defaults for the others)."""
+    planes = [plugin.sender_plane(opts) for plugin, opts in _plugins(name, options)]
+    return ControlSender(planes, cluster_token)

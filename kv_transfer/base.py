@@ -1,4 +1,5 @@
-"""Interfaces of the KV transports and the lease table they validate against."""
+"""The two halves of the KV transport API (``KVSender``, ``KVReceiver``), the lease table every
+receiver validates against, and the block helpers the planes share."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from pdserve.messages import KVAck, KVCommit, NodeInfo, mismatches
+from pdserve.kv_transfer.messages import KVAck, KVCommit
+from pdserve.messages import NodeInfo, mismatches
 
 logger = logging.getLogger(__name__)
 
@@ -279,95 +281,6 @@ class KVSender(ABC):
     def close(self) -> None: ...
 
 
-class ReceiverPlane(ABC):
-    """A receiver's data plane beside plain zmq frames (nixl, nccl): one per receiver, shared by
-    every sender that agreed on it. The receiver's control thread calls ``setup``, ``handle`` and
-    ``poll``; the plane answers through ``outbox`` (from any thread) and writes only as the table
-    allows."""
-
-    name: str
-    handles_commit = False
-    """True when commits must queue behind the plane's data (``handle`` then gets the KVCommit
-    and acks it through the outbox); otherwise the control thread commits directly."""
-
-    def __init__(self) -> None:
-        self.bytes_received = 0
-
-    @abstractmethod
-    def start(self, kv: torch.Tensor, table: ReservationTable, outbox, on_commit, host: str) -> None:
-        """``outbox.put(peer, msg)`` sends a reply on the control connection of ``peer``."""
-
-    @abstractmethod
-    def setup(self, peer: bytes, msg) -> object:
-        """A sender chose this plane (``msg``: KVSetup); returns the KVSetupReply."""
-
-    @abstractmethod
-    def handle(self, peer: bytes, msg) -> None:
-        """A data message of this plane (or a KVCommit when ``handles_commit``) from ``peer``."""
-
-    def poll(self) -> bool:
-        """The control thread calls this on every turn of its loop: work the plane does there
-        (nixl checks its READs). True while such work is in flight: the control thread then
-        turns again at once instead of waiting for the next message."""
-        return False
-
-    @abstractmethod
-    def drop(self, peer: bytes) -> None:
-        """Forget ``peer``'s session (it set up again, or went away)."""
-
-    @abstractmethod
-    def close(self) -> None: ...
-
-
-class SenderPlane(ABC):
-    """A sender's data plane beside plain zmq frames: one per sender, one session per peer."""
-
-    name: str
-
-    @abstractmethod
-    def register(self, kv: torch.Tensor) -> None: ...
-
-    @abstractmethod
-    def setup_fields(self) -> dict:
-        """This plane's fields of the KVSetup the sender offers."""
-
-    @abstractmethod
-    def stage(
-        self,
-        kv: torch.Tensor,
-        block_ids: Sequence[int],
-        dst_block_ids: Sequence[int],
-        layer_events: Sequence | None = None,
-    ) -> Staged:
-        """On the caller's thread: the blocks in the form ``deliver`` wants (a copy, or their ids
-        to move in place); ``dst_block_ids`` are where they land in the peer's cache;
-        ``layer_events`` as in ``KVSender.send``."""
-
-    @abstractmethod
-    def connect(self, peer, setup, reply, deadline: float) -> SenderSession:
-        """The receiver chose this plane: connect to it (``peer`` sends control frames)."""
-
-
-class SenderSession(ABC):
-    """One sender's data connection to one receiver."""
-
-    @abstractmethod
-    def deliver(
-        self, request_id: str, staged: Staged, dst_block_ids: list[int], deadline: float
-    ) -> Callable[[float], None] | None:
-        """Move staged blocks into the peer's reserved ``dst_block_ids``; raises KVTransferError.
-
-        Returns None once the peer has them (nixl: the peer reported its READs over). A plane whose
-        peer queues the commit behind the data (nccl: one thread there takes both in order) returns
-        as soon as the data is on its way, with a function that waits, until the deadline it is
-        given, for the data to have left: the sender sends the commit at once, then calls it before
-        the send's future resolves (the source blocks are read until then). If the sender gives up
-        instead, closing the session stops the data."""
-
-    @abstractmethod
-    def close(self) -> None: ...
-
-
 @dataclass
 class Staged:
     """A send's source blocks as its transport moves them: ``tensor`` [L, n, 2, BS, Hkv, D] when
@@ -508,6 +421,25 @@ def stage_blocks(kv: torch.Tensor, block_ids: Sequence[int]) -> Staged:
         event.record()
         staged.ready.append((end, event))
     return staged
+
+
+def copy_to_cpu(kv: torch.Tensor, block_ids: Sequence[int]) -> Staged:
+    """The blocks copied out of the cache into one CPU tensor ``[L, n, 2, BS, Hkv, D]`` (the zmq
+    plane's staging, and any send's before a plane is agreed: a plane agreed on later moves that
+    copy, or, reading in place, the blocks themselves)."""
+    idx = torch.tensor(list(block_ids), dtype=torch.long, device=kv.device)
+    return Staged(kv.index_select(1, idx).cpu(), list(block_ids))
+
+
+def valid_block_ids(block_ids: Sequence[int], num_blocks: int) -> bool:
+    """Non-empty, distinct, each in [0, num_blocks): a frame never names a block twice or one
+    outside the cache (the reservation table then checks they are the request's)."""
+    return (
+        bool(block_ids)
+        and len(block_ids) <= num_blocks
+        and len(set(block_ids)) == len(block_ids)
+        and 0 <= min(block_ids) <= max(block_ids) < num_blocks
+    )
 
 
 def in_place(kv: torch.Tensor, block_ids: Sequence[int], layer_events: Sequence | None = None) -> Staged:

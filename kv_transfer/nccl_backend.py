@@ -1,6 +1,6 @@
 """The NCCL KV transport: send/recv on a two-rank communicator per prefill-decode pair.
 
-At set-up (``KVSetup`` on the zmq control connection) the decode node answers with the port
+At set-up (``KVSetup`` on the control connection) the decode node answers with the port
 of its ``TCPStore``; both ends build a ``torch.distributed`` process group of two ranks over a
 ``PrefixStore`` named by the connection's session id (prefill rank 0, decode rank 1):
 ``ProcessGroupNCCL`` when the KV cache is on CUDA, ``ProcessGroupGloo`` when it is on the CPU.
@@ -10,7 +10,7 @@ The prefill node sends a ``KVSend`` header on the control connection, then the b
 announces with the header's sequence number as tag, in one of two ways, chosen per send by the
 runs of blocks consecutive in both caches (``block_runs``):
 
-* **direct** (runs of ``DIRECT_MIN_RUN_BYTES`` or more per layer on average, CUDA): one header
+* **direct** (runs of ``direct_min_run_bytes`` or more per layer on average, CUDA): one header
   for every layer, then one ``send`` per (layer, run) straight out of the prefill node's cache
   into one ``recv`` straight into the decode node's reserved blocks. Nothing is copied. The
   header names the source blocks too, so both ends cut the same runs, and the decode node posts
@@ -19,7 +19,7 @@ runs of blocks consecutive in both caches (``block_runs``):
   pins the reservation (``ReservationTable.begin``) before posting the recvs and unpins it when
   they completed or the communicator was aborted (``end``), so a reservation is never released
   while bytes may still land in its blocks.
-* **staged** (fragmented blocks, or the CPU): per chunk of layers (at most ``CHUNK_BYTES``) the
+* **staged** (fragmented blocks, or the CPU): per chunk of layers (at most ``chunk_bytes``) the
   prefill node gathers the chunk into a ``[layers, n, 2, BS, Hkv, D]`` tensor and sends it as
   one op after its header; the decode node receives it into one of two buffers in turn,
   posting chunk k+1's recv before it copies chunk k into the reserved blocks under the
@@ -66,40 +66,52 @@ import torch.distributed as dist
 from pdserve.kv_transfer.base import (
     STAGE_CHUNK_BYTES,
     KVTransferError,
-    ReceiverPlane,
     ReservationTable,
-    SenderPlane,
-    SenderSession,
     Staged,
     block_runs,
     in_place,
     layer_chunks,
     slab_bytes,
     stage_blocks,
+    valid_block_ids,
 )
-from pdserve.kv_transfer.wire import KVSend, KVSetup, KVSetupReply
-from pdserve.kv_transfer.zmq_backend import valid_block_ids
-from pdserve.messages import KVAck, KVCommit, encode
+from pdserve.kv_transfer.messages import KVAck, KVCommit, KVSend, KVSetup, KVSetupReply, NcclAccept, NcclOffer
+from pdserve.kv_transfer.plane import (
+    ControlLink,
+    Outbox,
+    ReceiverPlane,
+    SenderPlane,
+    SenderSession,
+    TransportPlugin,
+)
+from pdserve.messages import encode
 
 logger = logging.getLogger(__name__)
 
-CHUNK_BYTES = STAGE_CHUNK_BYTES
-"""Largest single send (as staging's chunks): chunk k+1 is sent while the decode node scatters
-chunk k, and chunk 0 while the prefill node still gathers the last layers."""
-DIRECT_MIN_RUN_BYTES = 4 << 20
-"""Shortest mean run (bytes per layer of blocks consecutive in both caches) moved directly from
-cache to cache; shorter runs are gathered and scattered, which costs two copies but one op. On
-2xH200 (Llama-3-8B KV, 2 MiB per layer-run at 64 MiB, 8 MiB at 256 MiB) staged beat direct at
-64 MiB (27.0 vs 18.9 GB/s: an op per layer costs more than the copies) and lost at 256 MiB
-(79.2 vs 86.7)."""
-DIRECT_ON_CPU = False
-"""Direct recvs into the cache must end when their communicator is aborted: NCCL's abort does
-that, gloo's is not relied on, so on the CPU only staged copies move unless this is set (tests
-of the direct path)."""
-RECV_TIMEOUT_S = 30.0
-DIRECT_RECV_TIMEOUT_S = 10.0
-"""A direct recv still running after this long aborts the pair: it bounds how long the engine
-thread's ``ReservationTable.release`` waits for a pinned reservation."""
+
+@dataclass(frozen=True)
+class NcclOptions:
+    chunk_bytes: int = STAGE_CHUNK_BYTES
+    """Largest single send (as staging's chunks): chunk k+1 is sent while the decode node scatters
+    chunk k, and chunk 0 while the prefill node still gathers the last layers."""
+    direct_min_run_bytes: int = 4 << 20
+    """Shortest mean run (bytes per layer of blocks consecutive in both caches) moved directly from
+    cache to cache; shorter runs are gathered and scattered, which costs two copies but one op. On
+    2xH200 (Llama-3-8B KV, 2 MiB per layer-run at 64 MiB, 8 MiB at 256 MiB) staged beat direct at
+    64 MiB (27.0 vs 18.9 GB/s: an op per layer costs more than the copies) and lost at 256 MiB
+    (79.2 vs 86.7)."""
+    direct_on_cpu: bool = False
+    """Direct recvs into the cache must end when their communicator is aborted: NCCL's abort does
+    that, gloo's is not relied on, so on the CPU only staged copies move unless this is set (tests
+    of the direct path)."""
+    recv_timeout_s: float = 30.0
+    direct_recv_timeout_s: float = 10.0
+    """A direct recv still running after this long aborts the pair: it bounds how long the engine
+    thread's ``ReservationTable.release`` waits for a pinned reservation."""
+    connect_s: float = 30.0
+    """How long the decode node's rendezvous with a new sender may take (gloo's)."""
+
+
 OP_TIMEOUT = datetime.timedelta(hours=1)
 """The process group's own timeout: far past ours, so that its watchdog (which may end the
 process) never fires first; we abort the communicator on our deadlines instead."""
@@ -132,8 +144,8 @@ def _wait(work, deadline: float, cuda: bool) -> None:
         raise
 
 
-def direct_allowed(kv: torch.Tensor) -> bool:
-    return kv.is_cuda or DIRECT_ON_CPU
+def direct_allowed(kv: torch.Tensor, options: NcclOptions) -> bool:
+    return kv.is_cuda or options.direct_on_cpu
 
 
 def _run_views(
@@ -232,7 +244,7 @@ class _Pair:
         plane = self.plane
         try:
             store = dist.PrefixStore(f"pdserve-kv/{self.session}/", plane.store)
-            self.group = _process_group(store, 1, plane.kv.device, plane.gloo_host, plane.connect_s)
+            self.group = _process_group(store, 1, plane.kv.device, plane.gloo_host, plane.options.connect_s)
         except Exception as e:
             self.broken = f"nccl rendezvous with the sender failed: {e}"
             logger.warning("%s", self.broken)
@@ -302,7 +314,7 @@ class _Pair:
             self._break(f"nccl recv failed: {e}")
             table.fail(msg.request_id, self.broken)
             return None
-        return _Posted(msg, [work], buf, time.monotonic() + RECV_TIMEOUT_S)
+        return _Posted(msg, [work], buf, time.monotonic() + plane.options.recv_timeout_s)
 
     def _post_direct(self, msg: KVSend) -> _Posted | None:
         """Post one recv per (layer, run) into the reserved blocks, pinned; into scratch if the
@@ -312,7 +324,7 @@ class _Pair:
         n = len(msg.block_ids)
         layers_ok = 0 <= msg.layer_start < msg.layer_end <= kv.shape[0]
         if not (
-            direct_allowed(kv)
+            direct_allowed(kv, plane.options)
             and layers_ok
             and len(msg.src_block_ids) == n
             and valid_block_ids(msg.block_ids, kv.shape[1])
@@ -340,7 +352,7 @@ class _Pair:
                 table.end(msg.request_id, msg.block_ids, msg.layer_start, msg.layer_end, self.broken)
             table.fail(msg.request_id, self.broken)
             return None
-        deadline = time.monotonic() + DIRECT_RECV_TIMEOUT_S
+        deadline = time.monotonic() + plane.options.direct_recv_timeout_s
         return _Posted(msg, works, None, deadline, direct=True, pinned=pinned)
 
     def _drop(self, posted: _Posted | None, error: str) -> None:
@@ -409,15 +421,23 @@ class _Pair:
 
 class NcclReceiverPlane(ReceiverPlane):
     name = "nccl"
+    messages = (KVSend,)
     handles_commit = True  # a commit must wait for the chunks queued on its pair's thread
 
-    def __init__(self, connect_s: float = 30.0) -> None:
+    def __init__(self, options: NcclOptions = NcclOptions()) -> None:
         super().__init__()
-        self.connect_s = connect_s
+        self.options = options
         self._pairs: dict[bytes, _Pair] = {}
         self._lock = threading.Lock()
 
-    def start(self, kv: torch.Tensor, table: ReservationTable, outbox, on_commit, host: str) -> None:
+    def start(
+        self,
+        kv: torch.Tensor,
+        table: ReservationTable,
+        outbox: Outbox,
+        on_commit: Callable[[KVCommit], None],
+        host: str,
+    ) -> None:
         self.kv, self.table, self.outbox, self.on_commit = kv, table, outbox, on_commit
         self.region_bytes = slab_bytes(kv)
         self.cache_bytes = kv.numel() * kv.element_size()
@@ -440,15 +460,16 @@ class NcclReceiverPlane(ReceiverPlane):
 
     def setup(self, peer: bytes, msg: KVSetup) -> KVSetupReply:
         device = "cuda" if self.kv.is_cuda else "cpu"
-        if msg.nccl_device != device:
-            error = f"nccl needs both KV caches on one kind of device: the sender's is on {msg.nccl_device}"
+        offer = msg.offer(NcclOffer) or NcclOffer()
+        if offer.device != device:
+            error = f"nccl needs both KV caches on one kind of device: the sender's is on {offer.device}"
             return KVSetupReply(ok=False, error=f"{error}, this node's on {device}")
         pair = _Pair(self, peer, msg.session)
         with self._lock:
             self._pairs[peer] = pair
-        return KVSetupReply(ok=True, transport="nccl", nccl_store=str(self.store.port))
+        return KVSetupReply(ok=True, transport="nccl", accept=NcclAccept(store=str(self.store.port)))
 
-    def handle(self, peer: bytes, msg) -> None:
+    def handle(self, peer: bytes, msg: KVSend | KVCommit, payload: Sequence) -> str:
         with self._lock:
             pair = self._pairs.get(peer)
         if pair is None:
@@ -456,8 +477,9 @@ class NcclReceiverPlane(ReceiverPlane):
                 self.outbox.put(peer, KVAck(request_id=msg.request_id, ok=False, error="no nccl session"))
             else:
                 self.table.fail(msg.request_id, "KVSend on a connection without an nccl session")
-            return
+            return ""
         pair.jobs.put(msg)
+        return ""
 
     def drop(self, peer: bytes) -> None:
         with self._lock:
@@ -480,7 +502,8 @@ class NcclReceiverPlane(ReceiverPlane):
 class NcclSenderPlane(SenderPlane):
     name = "nccl"
 
-    def __init__(self) -> None:
+    def __init__(self, options: NcclOptions = NcclOptions()) -> None:
+        self.options = options
         self.kv: torch.Tensor | None = None
 
     def register(self, kv: torch.Tensor) -> None:
@@ -488,8 +511,8 @@ class NcclSenderPlane(SenderPlane):
         self.flat = kv.view(-1).view(torch.uint8)
         self.stream = torch.cuda.Stream(kv.device) if kv.is_cuda else None
 
-    def setup_fields(self) -> dict:
-        return {"nccl_device": "cuda" if self.kv.is_cuda else "cpu"}
+    def offer(self) -> NcclOffer:
+        return NcclOffer(device="cuda" if self.kv.is_cuda else "cpu")
 
     def stage(
         self,
@@ -502,16 +525,19 @@ class NcclSenderPlane(SenderPlane):
         wait on the GPU for that chunk's layer event), else gathered on the cache's device once
         everything queued so far is done."""
         runs = block_runs(block_ids, dst_block_ids)
-        if direct_allowed(kv) and len(block_ids) * slab_bytes(kv) >= DIRECT_MIN_RUN_BYTES * len(runs):
+        min_run = self.options.direct_min_run_bytes
+        if direct_allowed(kv, self.options) and len(block_ids) * slab_bytes(kv) >= min_run * len(runs):
             return in_place(kv, block_ids, layer_events)  # kept unchanged until the send is over
         return stage_blocks(kv, block_ids)
 
-    def connect(self, peer, setup: KVSetup, reply: KVSetupReply, deadline: float) -> NcclSession:
+    def connect(self, link: ControlLink, setup: KVSetup, reply: KVSetupReply, deadline: float) -> NcclSession:
+        peer = link
+        accept = reply.accept if isinstance(reply.accept, NcclAccept) else NcclAccept()
         host = urlsplit(peer.address).hostname or "127.0.0.1"
         left = max(deadline - time.monotonic(), 0.1)
         try:
             store = dist.TCPStore(
-                host, int(reply.nccl_store), is_master=False, timeout=datetime.timedelta(seconds=left)
+                host, int(accept.store), is_master=False, timeout=datetime.timedelta(seconds=left)
             )
             prefixed = dist.PrefixStore(f"pdserve-kv/{setup.session}/", store)
             group = _process_group(prefixed, 0, self.kv.device, _local_address_toward(host), left)
@@ -569,7 +595,7 @@ class NcclSession(SenderSession):
         tensor = staged.tensor.to(device, non_blocking=True)  # staged on the CPU before set-up: copied once
         bytes_per_layer = tensor[0].numel() * tensor.element_size()
         works = []
-        for l0, l1 in layer_chunks(tensor.shape[0], bytes_per_layer, CHUNK_BYTES):
+        for l0, l1 in layer_chunks(tensor.shape[0], bytes_per_layer, self.plane.options.chunk_bytes):
             event = staged.event(l1)
             if event is not None:
                 torch.cuda.current_stream().wait_event(event)
@@ -610,3 +636,19 @@ class NcclSession(SenderSession):
     def close(self) -> None:
         _abort(self.group)
         self.group = None
+
+
+def nccl_available() -> bool:
+    """NCCL where CUDA is, gloo (one code path) where it is not."""
+    if not dist.is_available():
+        return False
+    return dist.is_nccl_available() if torch.cuda.is_available() else dist.is_gloo_available()
+
+
+PLUGIN = TransportPlugin(
+    name="nccl",
+    options=NcclOptions,
+    available=nccl_available,
+    sender_plane=NcclSenderPlane,
+    receiver_plane=NcclReceiverPlane,
+)

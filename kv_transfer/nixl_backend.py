@@ -10,7 +10,7 @@ READ of those descriptors. Nothing is copied on either side.
 
 **Packed sends.** Once a cache has turned over, a request's blocks are scattered and a READ in
 place needs a descriptor per (layer, block): 64 KiB each for Llama-3-8B, 7-10 GB/s on one H100.
-When in place would take more than DESCRIPTORS_PER_PIECE descriptors per staging slot, the prefill
+When in place would take more than ``descriptors_per_piece`` descriptors per staging slot, the prefill
 node gathers the blocks piece by piece into slots of its registered staging pool
 (``kv_transfer.staging``), the decode node READs each slot in one descriptor into a slot of its
 own and scatters it into the reserved blocks, still pinned: 5-9x faster there. Both pools are
@@ -30,7 +30,7 @@ If the sender gives up first (its deadline, a dead peer), it never sends that re
 a READ still running can then only bring bytes of reused blocks into a reservation that is never
 committed.
 
-Per send (control messages in ``kv_transfer/wire.py`` on the zmq control connection):
+Per send (control messages in ``kv_transfer/messages.py`` on the control connection):
 
 1. prefill: wait for the kernels that wrote the blocks (CUDA: an event recorded by ``send``);
 2. prefill -> decode ``KVReady`` (request id, transfer id, source and destination block ids);
@@ -42,13 +42,15 @@ Per send (control messages in ``kv_transfer/wire.py`` on the zmq control connect
 5. with a commit, it goes on the control connection next and is acked once the lease table
    found every block of the reservation landed.
 
-Everything between the two nodes but the bytes themselves travels on the zmq control connection:
+Everything between the two nodes but the bytes themselves travels on the control connection:
 no thread hand-off on the decode node, and the prefill node's sender wakes on the reply rather
 than polling for a NIXL notification. Agent metadata is exchanged inside ``KVSetup``/
 ``KVSetupReply`` on that authenticated connection, whose handshake is resent until the listener
-answers, rather than through NIXL's own listener. UCX reads ``UCX_TLS`` and ``UCX_NET_DEVICES``
-from the environment; ``ucx_net_devices`` (NIXL's ``ucx_devices`` parameter) and ``ucx_tls`` set
-them per node. Agents run without NIXL's progress thread (idle, it costs ~40% of a core here): the
+answers, rather than through NIXL's own listener (``NixlOffer``/``NixlAccept``). Options
+(``NixlOptions``): ``ucx_net_devices`` travels as NIXL's ``ucx_devices`` parameter; ``ucx_tls``
+and the CUDA IPC READ switch reach UCX only through the environment (NIXL's UCX backend passes no
+UCX variables on), which ``pdserve.envs.set_up_ucx`` writes once per process, before its first
+agent. Agents run without NIXL's progress thread (idle, it costs ~40% of a core here): the
 decode node progresses UCX while its READs run (the control loop polls them), the prefill node
 every millisecond while it waits for a READ's end (transports that need the target's help, such as
 TCP, and a first connection's wire-up).
@@ -61,22 +63,19 @@ import contextlib
 import itertools
 import logging
 import math
-import os
 import threading
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from pdserve import envs
 from pdserve.kv_transfer.base import (
     KVRefused,
     KVTransferError,
-    ReceiverPlane,
     ReservationTable,
-    SenderPlane,
-    SenderSession,
     Staged,
     block_index,
     block_runs,
@@ -86,34 +85,60 @@ from pdserve.kv_transfer.base import (
     layer_chunks,
     scatter_from,
     slab_bytes,
+    valid_block_ids,
 )
-from pdserve.kv_transfer.staging import StagePool, stage_pieces
-from pdserve.kv_transfer.wire import KVReadDone, KVReady, KVSetup, KVSetupReply
-from pdserve.kv_transfer.zmq_backend import valid_block_ids
+from pdserve.kv_transfer.messages import (
+    KVCommit,
+    KVReadDone,
+    KVReady,
+    KVSetup,
+    KVSetupReply,
+    NixlAccept,
+    NixlOffer,
+)
+from pdserve.kv_transfer.plane import (
+    ControlLink,
+    Outbox,
+    ReceiverPlane,
+    SenderPlane,
+    SenderSession,
+    TransportPlugin,
+)
+from pdserve.kv_transfer.staging import StagePool, StagingOptions, stage_pieces
 from pdserve.messages import encode
 
 logger = logging.getLogger(__name__)
 
-MAX_DESC_BYTES = 0
-"""Longest descriptor of a READ (a multiple of the slab size; 0: runs are never cut). Cutting
-long runs lets UCX move pieces of one READ on several lanes where the transport has them."""
-MAX_READ_S = 10.0
-"""A READ still running after this long is cancelled (it takes milliseconds on any sane link);
-it bounds how long the engine thread's ``ReservationTable.release`` can wait."""
 POLL_S = 0.0001
-DESCRIPTORS_PER_PIECE = 100
-"""A send is packed into staging slots (gather, one READ a slot, scatter) when READ in place it
-would take more than this many descriptors for each piece it takes packed. Between two processes
-on one H100 (``docs/benchmarks/kv_transfer_same_gpu_h100.json``) a descriptor cost ~8 us of a
-READ, a packed piece ~0.8 ms of both nodes' time: in-place READs of blocks in order ran at 67 GB/s
-(64 MiB) to 581 (1 GiB), packed ones at 28-55; shuffled blocks, one descriptor per 64 KiB slab,
-at 8-12 in place and 28-55 packed."""
-PACK_ON_CPU = False
-"""DRAM caches are read in place (packing costs two more copies on the CPU, and a descriptor little);
-tests set this to run the packed path on the CPU."""
-LAYER_CHUNK_BYTES = 32 << 20
-"""With per-layer events, a send is offered in READs of layer chunks of about this size, each as
-soon as its layers are written."""
+
+
+@dataclass(frozen=True)
+class NixlOptions:
+    max_desc_bytes: int = 0
+    """Longest descriptor of a READ (a multiple of the slab size; 0: runs are never cut). Cutting
+    long runs lets UCX move pieces of one READ on several lanes where the transport has them."""
+    max_read_s: float = 10.0
+    """A READ still running after this long is cancelled (it takes milliseconds on any sane link);
+    it bounds how long the engine thread's ``ReservationTable.release`` can wait."""
+    descriptors_per_piece: int = 100
+    """A send is packed into staging slots (gather, one READ a slot, scatter) when READ in place it
+    would take more than this many descriptors for each piece it takes packed. Between two processes
+    on one H100 (``docs/benchmarks/kv_transfer_same_gpu_h100.json``) a descriptor cost ~8 us of a
+    READ, a packed piece ~0.8 ms of both nodes' time: in-place READs of blocks in order ran at 67
+    GB/s (64 MiB) to 581 (1 GiB), packed ones at 28-55; shuffled blocks, one descriptor per 64 KiB
+    slab, at 8-12 in place and 28-55 packed."""
+    pack_on_cpu: bool = False
+    """DRAM caches are read in place (packing costs two more copies on the CPU, and a descriptor
+    little); tests set this to run the packed path on the CPU."""
+    layer_chunk_bytes: int = 32 << 20
+    """With per-layer events, a send is offered in READs of layer chunks of about this size, each as
+    soon as its layers are written."""
+    staging: StagingOptions = field(default_factory=StagingOptions)
+    """The staging slots packed sends go through, on both sides."""
+    ucx_net_devices: str = ""
+    """UCX's network devices (NIXL's ``ucx_devices``; e.g. ``mlx5_0:1``); "" lets UCX choose."""
+    ucx_tls: str = ""
+    """UCX_TLS for the process's agents ("" leaves the operator's or UCX's choice)."""
 
 
 def nixl_available() -> bool:
@@ -124,23 +149,20 @@ def nixl_available() -> bool:
     return True
 
 
-def _agent(role: str, ucx_net_devices: str, ucx_tls: str):
+def _agent(role: str, options: NixlOptions):
     import uuid
 
     from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
-    if ucx_tls:
-        os.environ["UCX_TLS"] = ucx_tls  # UCX reads it when the backend starts, just below
-    # UCX leaves CUDA IPC READs (get_zcopy) off where it finds no NVLink ("auto"): on PCIe-only
-    # hosts, and between two processes on one GPU, VRAM READs then crawl through a staging
-    # pipeline (0.5 GB/s measured on one H100, where a WRITE took 780 GB/s). The decode node
-    # READs, so turn them on unless the operator chose otherwise.
-    os.environ.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "on")
+    # UCX reads its environment when the backend starts, just below: CUDA IPC READs on unless the
+    # operator chose otherwise (``envs.UCX_CUDA_IPC_GET_ZCOPY_DEFAULT`` says why), ``ucx_tls``.
+    envs.set_up_ucx(options.ucx_tls)
     config = nixl_agent_config(
         enable_prog_thread=False, backends=[], sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
     )
     agent = nixl_agent(f"pdserve-{role}-{uuid.uuid4().hex[:12]}", config)
-    agent.create_backend("UCX", {"ucx_devices": ucx_net_devices} if ucx_net_devices else {})
+    devices = options.ucx_net_devices
+    agent.create_backend("UCX", {"ucx_devices": devices} if devices else {})
     return agent
 
 
@@ -155,11 +177,6 @@ def _mem_type(t: torch.Tensor) -> str:
 
 def _device_id(t: torch.Tensor) -> int:
     return max(t.get_device(), 0)
-
-
-def _read_deadline(msg: KVReady) -> float:
-    """When a READ (or its wait for a staging slot) is given up: the sender's timeout, bounded."""
-    return time.monotonic() + min(max(msg.timeout_s, 0.0), MAX_READ_S)
 
 
 def _descs(base: int, offsets: np.ndarray, lengths: np.ndarray, device: int) -> np.ndarray:
@@ -210,34 +227,42 @@ class NixlReceiverPlane(ReceiverPlane):
     done. A packed KVReady that finds no free slot waits for one, unpinned, until its timeout."""
 
     name = "nixl"
+    messages = (KVReady,)
 
-    def __init__(self, ucx_net_devices: str = "", ucx_tls: str = "") -> None:
+    def __init__(self, options: NixlOptions = NixlOptions()) -> None:
         super().__init__()
-        self.ucx_net_devices = ucx_net_devices
-        self.ucx_tls = ucx_tls
+        self.options = options
         self._remotes: dict[str, _Remote] = {}  # sender agent -> its cache (kept across reconnects)
         self._sessions: dict[bytes, _Remote] = {}
         self._inflight: list[_Read] = []
         self._waiting: collections.deque[tuple[bytes, KVReady, float]] = collections.deque()
 
-    def start(self, kv: torch.Tensor, table: ReservationTable, outbox, on_commit, host: str) -> None:
+    def start(
+        self,
+        kv: torch.Tensor,
+        table: ReservationTable,
+        outbox: Outbox,
+        on_commit: Callable[[KVCommit], None],
+        host: str,
+    ) -> None:
         self.kv, self.table, self.outbox = kv, table, outbox
         self.num_layers, self.num_blocks = kv.shape[0], kv.shape[1]
         self.slab_bytes = slab_bytes(kv)
-        self.pool = StagePool(kv)
+        self.pool = StagePool(kv, self.options.staging)
         with _on_device(kv):
-            self.agent = _agent("decode", self.ucx_net_devices, self.ucx_tls)
+            self.agent = _agent("decode", self.options)
             self._registered = self.agent.register_memory(kv)  # the whole cache, once
             self._registered_pool = self.agent.register_memory(self.pool.buf)
             self.stream = torch.cuda.Stream(kv.device) if kv.is_cuda else None
 
     def setup(self, peer: bytes, msg: KVSetup) -> KVSetupReply:
-        address, num_layers, num_blocks, slab, device = msg.nixl_cache
-        stage_address, stage_bytes = msg.nixl_stage
-        if not msg.nixl_metadata or not msg.nixl_agent or not address or num_blocks <= 0:
+        offer = msg.offer(NixlOffer) or NixlOffer()
+        address, num_layers, num_blocks, slab, device = offer.cache
+        stage_address, stage_bytes = offer.stage
+        if not offer.metadata or not offer.agent or not address or num_blocks <= 0:
             return KVSetupReply(ok=False, error="the sender offered nixl without agent metadata and cache")
-        if not 0 < address < 1 << 64 or not 0 <= device < 1 << 16 or msg.nixl_mem not in ("DRAM", "VRAM"):
-            error = f"the sender's nixl cache is not valid memory: {msg.nixl_mem} at {address:#x} on {device}"
+        if not 0 < address < 1 << 64 or not 0 <= device < 1 << 16 or offer.mem not in ("DRAM", "VRAM"):
+            error = f"the sender's nixl cache is not valid memory: {offer.mem} at {address:#x} on {device}"
             return KVSetupReply(ok=False, error=error)
         if stage_bytes and not (0 < stage_address < stage_address + stage_bytes < 1 << 64):
             error = (
@@ -250,18 +275,18 @@ class NixlReceiverPlane(ReceiverPlane):
                 f"block slabs, this node's {self.num_layers} of {self.slab_bytes}"
             )
             return KVSetupReply(ok=False, error=error)
-        remote = self._remotes.get(msg.nixl_agent)
+        remote = self._remotes.get(offer.agent)
         if remote is None:
-            name = self.agent.add_remote_agent(msg.nixl_metadata)
+            name = self.agent.add_remote_agent(offer.metadata)
             name = name.decode() if isinstance(name, bytes) else name
-            remote = _Remote(name, address, num_blocks, device, msg.nixl_mem, stage_address, stage_bytes)
-            self._remotes[msg.nixl_agent] = remote
+            remote = _Remote(name, address, num_blocks, device, offer.mem, stage_address, stage_bytes)
+            self._remotes[offer.agent] = remote
             self.agent.make_connection(name)  # now, rather than at the first READ
         self._sessions[peer] = remote
-        metadata = self.agent.get_agent_metadata()
-        return KVSetupReply(ok=True, transport="nixl", nixl_agent=self.agent.name, nixl_metadata=metadata)
+        accept = NixlAccept(agent=self.agent.name, metadata=self.agent.get_agent_metadata())
+        return KVSetupReply(ok=True, transport="nixl", accept=accept)
 
-    def handle(self, peer: bytes, msg: KVReady) -> None:
+    def handle(self, peer: bytes, msg: KVReady, payload: Sequence) -> str:
         try:
             if msg.src_offset >= 0 and self._waiting:
                 self._queue(peer, msg)  # behind the packed READs already waiting for a slot
@@ -269,6 +294,7 @@ class NixlReceiverPlane(ReceiverPlane):
                 self._start(peer, self._sessions.get(peer), msg)
         except Exception:  # nothing a peer sends may stop the control thread
             logger.exception("KVReady for %r could not be handled", getattr(msg, "request_id", "?"))
+        return ""
 
     def poll(self) -> bool:
         if self._inflight:
@@ -294,15 +320,19 @@ class NixlReceiverPlane(ReceiverPlane):
         self._waiting.clear()
         for read in self._inflight:
             read.deadline = 0.0
-        give_up = time.monotonic() + MAX_READ_S
+        give_up = time.monotonic() + self.options.max_read_s
         with _on_device(self.kv):
             while self.poll() and time.monotonic() < give_up:
                 time.sleep(POLL_S)
 
     # -- on the control thread ---------------------------------------------------------------------
 
+    def _read_deadline(self, msg: KVReady) -> float:
+        """When a READ (or its wait for a staging slot) is given up: the sender's timeout, bounded."""
+        return time.monotonic() + min(max(msg.timeout_s, 0.0), self.options.max_read_s)
+
     def _queue(self, peer: bytes, msg: KVReady) -> None:
-        self._waiting.append((peer, msg, _read_deadline(msg)))
+        self._waiting.append((peer, msg, self._read_deadline(msg)))
 
     def _packed_bytes(self, msg: KVReady) -> int:
         return (msg.layer_end - msg.layer_start) * len(msg.dst_block_ids) * self.slab_bytes
@@ -392,7 +422,7 @@ class NixlReceiverPlane(ReceiverPlane):
                     remote.num_blocks,
                     self.num_blocks,
                     self.slab_bytes,
-                    MAX_DESC_BYTES,
+                    self.options.max_desc_bytes,
                 )
                 local = _descs(kv.data_ptr(), dst, lengths, _device_id(kv))
                 source = _descs(remote.address, src, lengths, remote.device)
@@ -405,7 +435,9 @@ class NixlReceiverPlane(ReceiverPlane):
         except Exception as e:
             self._end(peer, msg, slot, f"NIXL READ could not start: {e}")
             return True
-        self._inflight.append(_Read(handle, peer, msg, _read_deadline(msg), int(lengths.sum()), slot=slot))
+        self._inflight.append(
+            _Read(handle, peer, msg, self._read_deadline(msg), int(lengths.sum()), slot=slot)
+        )
         return True
 
     def _poll(self, read: _Read) -> bool:
@@ -473,31 +505,30 @@ class NixlReceiverPlane(ReceiverPlane):
 class NixlSenderPlane(SenderPlane):
     name = "nixl"
 
-    def __init__(self, ucx_net_devices: str = "", ucx_tls: str = "") -> None:
-        self.ucx_net_devices = ucx_net_devices
-        self.ucx_tls = ucx_tls
+    def __init__(self, options: NixlOptions = NixlOptions()) -> None:
+        self.options = options
         self._xfer_ids = itertools.count(1)
         self._lock = threading.Lock()  # peer threads connect concurrently
         self._remotes: set[str] = set()
 
     def register(self, kv: torch.Tensor) -> None:
         self.kv = kv
-        self.pool = StagePool(kv)
+        self.pool = StagePool(kv, self.options.staging)
         with _on_device(kv):
-            self.agent = _agent("prefill", self.ucx_net_devices, self.ucx_tls)
+            self.agent = _agent("prefill", self.options)
             self._registered = self.agent.register_memory(kv)  # the whole cache, once
             self._registered_pool = self.agent.register_memory(self.pool.buf)
             self.stream = torch.cuda.Stream(kv.device) if kv.is_cuda else None
 
-    def setup_fields(self) -> dict:
+    def offer(self) -> NixlOffer:
         kv = self.kv
-        return {
-            "nixl_agent": self.agent.name,
-            "nixl_metadata": self.agent.get_agent_metadata(),
-            "nixl_cache": (kv.data_ptr(), kv.shape[0], kv.shape[1], slab_bytes(kv), _device_id(kv)),
-            "nixl_mem": _mem_type(kv),
-            "nixl_stage": (self.pool.buf.data_ptr(), self.pool.buf.numel()),
-        }
+        return NixlOffer(
+            agent=self.agent.name,
+            metadata=self.agent.get_agent_metadata(),
+            cache=(kv.data_ptr(), kv.shape[0], kv.shape[1], slab_bytes(kv), _device_id(kv)),
+            mem=_mem_type(kv),
+            stage=(self.pool.buf.data_ptr(), self.pool.buf.numel()),
+        )
 
     def stage(
         self,
@@ -510,12 +541,13 @@ class NixlSenderPlane(SenderPlane):
         # ``deliver`` as their layers are written.
         return in_place(kv, block_ids, layer_events)
 
-    def connect(self, peer, setup: KVSetup, reply: KVSetupReply, deadline: float) -> NixlSession:
+    def connect(self, link: ControlLink, setup: KVSetup, reply: KVSetupReply, deadline: float) -> NixlSession:
+        accept = reply.accept if isinstance(reply.accept, NixlAccept) else NixlAccept()
         with self._lock:
-            if reply.nixl_agent not in self._remotes:
-                self.agent.add_remote_agent(reply.nixl_metadata)
-                self._remotes.add(reply.nixl_agent)
-        return NixlSession(self, peer)
+            if accept.agent not in self._remotes:
+                self.agent.add_remote_agent(accept.metadata)
+                self._remotes.add(accept.agent)
+        return NixlSession(self, link)
 
     def progress(self) -> None:
         """Progress UCX here, for transports whose READs need the target's help (TCP; not CUDA IPC,
@@ -523,21 +555,27 @@ class NixlSenderPlane(SenderPlane):
         self.agent.get_new_notifs()
 
 
-def packs(kv: torch.Tensor, src_block_ids: Sequence[int], dst_block_ids: Sequence[int], pieces: int) -> bool:
+def packs(
+    kv: torch.Tensor,
+    src_block_ids: Sequence[int],
+    dst_block_ids: Sequence[int],
+    pieces: int,
+    options: NixlOptions = NixlOptions(),
+) -> bool:
     """Whether a send is packed into ``pieces`` staging slots rather than read in place: on CUDA,
-    when in place it would take more than DESCRIPTORS_PER_PIECE descriptors (one per layer and run
-    of blocks consecutive in both caches) for each piece. Never on the CPU (unless PACK_ON_CPU),
-    where a descriptor costs little beside copying the bytes twice more."""
-    if not (kv.is_cuda or PACK_ON_CPU):
+    when in place it would take more than ``descriptors_per_piece`` descriptors (one per layer and
+    run of blocks consecutive in both caches) for each piece. Never on the CPU (unless
+    ``pack_on_cpu``), where a descriptor costs little beside copying the bytes twice more."""
+    if not (kv.is_cuda or options.pack_on_cpu):
         return False
     descriptors = kv.shape[0] * len(block_runs(src_block_ids, dst_block_ids))
-    return descriptors > DESCRIPTORS_PER_PIECE * pieces
+    return descriptors > options.descriptors_per_piece * pieces
 
 
 class NixlSession(SenderSession):
-    def __init__(self, plane: NixlSenderPlane, peer) -> None:
+    def __init__(self, plane: NixlSenderPlane, link: ControlLink) -> None:
         self.plane = plane
-        self.peer = peer
+        self.peer = link
 
     def deliver(self, request_id: str, staged: Staged, dst_block_ids: list[int], deadline: float) -> None:
         """Offer the blocks for READs, a chunk of layers as soon as the kernels that wrote it are
@@ -547,13 +585,13 @@ class NixlSession(SenderSession):
         kv, src, dst = self.plane.kv, list(staged.block_ids), list(dst_block_ids)
         slab = slab_bytes(kv)
         layer_wise = len(staged.ready) > 1  # per-layer events: chunks follow the layers as they finish
-        chunk_bytes = LAYER_CHUNK_BYTES if layer_wise else 0
+        chunk_bytes = self.plane.options.layer_chunk_bytes if layer_wise else 0
         pieces = stage_pieces(kv.shape[0], len(dst), slab, self.plane.pool.slot_bytes, chunk_bytes)
-        if packs(kv, src, dst, len(pieces)):
+        if packs(kv, src, dst, len(pieces), self.plane.options):
             self._deliver_packed(request_id, staged, dst, pieces, deadline)
             return
         if layer_wise:
-            chunks = layer_chunks(kv.shape[0], len(src) * slab, LAYER_CHUNK_BYTES)
+            chunks = layer_chunks(kv.shape[0], len(src) * slab, self.plane.options.layer_chunk_bytes)
         else:
             chunks = [(0, kv.shape[0])]
         pending: dict[int, int] = {}  # xfer id -> staging slot (none in place)
@@ -649,3 +687,12 @@ class NixlSession(SenderSession):
 
 def _stream(stream):
     return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
+PLUGIN = TransportPlugin(
+    name="nixl",
+    options=NixlOptions,
+    available=nixl_available,
+    sender_plane=NixlSenderPlane,
+    receiver_plane=NixlReceiverPlane,
+)

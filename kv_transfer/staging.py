@@ -14,27 +14,34 @@ of a send (``stage_pieces``) fits one slot, laid out ``[layers, blocks, 2, BS, H
 from __future__ import annotations
 
 import queue
+from dataclasses import dataclass
 
 import torch
 
 from pdserve.kv_transfer.base import layer_chunks
 
-STAGE_SLOTS = 4
-STAGE_SLOT_BYTES = 64 << 20
-"""Four 64 MiB slots a node (256 MiB): a 2k-token Llama-3-8B prompt (256 MiB of KV) in flight at
-once, in pieces that pipeline the gather, the move and the scatter. Each piece costs ~0.5-0.8 ms
-of Python and control messages on the GPU hosts measured, so fewer, larger pieces move more: a
-shuffled 1 GiB send between two processes on one H100 ran at 55 GB/s with 8 x 32 MiB, 64-97 with
-4 x 64 MiB and 96-103 with 2 x 128 MiB (``docs/benchmarks/kv_same_gpu_slots_h100.json``); with two
-slots, two sends would hold every slot."""
+
+@dataclass(frozen=True)
+class StagingOptions:
+    """Where a node packs its sends: ``num_slots`` slots of ``slot_bytes`` (registered once).
+
+    Four 64 MiB slots a node (256 MiB): a 2k-token Llama-3-8B prompt (256 MiB of KV) in flight at
+    once, in pieces that pipeline the gather, the move and the scatter. Each piece costs ~0.5-0.8
+    ms of Python and control messages on the GPU hosts measured, so fewer, larger pieces move more:
+    a shuffled 1 GiB send between two processes on one H100 ran at 55 GB/s with 8 x 32 MiB, 64-97
+    with 4 x 64 MiB and 96-103 with 2 x 128 MiB (``docs/benchmarks/kv_same_gpu_slots_h100.json``);
+    with two slots, two sends would hold every slot."""
+
+    num_slots: int = 4
+    slot_bytes: int = 64 << 20
 
 
 class StagePool:
-    """``num_slots`` slots of ``slot_bytes`` (default STAGE_SLOTS of STAGE_SLOT_BYTES) in one tensor
-    on the cache's device; thread-safe."""
+    """``options.num_slots`` slots of ``options.slot_bytes`` in one tensor on the cache's device;
+    thread-safe."""
 
-    def __init__(self, kv: torch.Tensor, num_slots: int = 0, slot_bytes: int = 0) -> None:
-        num_slots, slot_bytes = num_slots or STAGE_SLOTS, slot_bytes or STAGE_SLOT_BYTES
+    def __init__(self, kv: torch.Tensor, options: StagingOptions = StagingOptions()) -> None:
+        num_slots, slot_bytes = options.num_slots, options.slot_bytes
         slab = kv[0, 0].numel() * kv.element_size()
         # A slot never needs more than the whole cache (tests run tiny caches), and holds whole slabs.
         slot_bytes = min(slot_bytes, kv.numel() * kv.element_size())

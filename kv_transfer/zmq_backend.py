@@ -1,427 +1,77 @@
-"""The control channel every KV transport speaks, over ZeroMQ, and the zmq data plane.
+"""The zmq KV transport: the blocks travel as frames on the control connection itself.
 
-Wire protocol (DEALER on the prefill node -> ROUTER on the decode node, one DEALER per
-peer, multipart messages whose first frame is a msgpack ``Message``):
+``[KVBlocks, payload]``: layers ``[layer_start, layer_end)`` of the listed destination blocks,
+payload = raw bytes of ``[layers, blocks, 2, BS, Hkv, D]``. No reply: frames stream back to back,
+and an error is kept for the commit's ack. A payload frame must name a layer range inside the
+model, distinct block ids, a byte length exactly what its header and the agreed shape imply, and
+blocks all reserved for its request (``ReservationTable``).
 
-* ``[KVHandshake]`` -> ``[KVHandshakeReply]``: first, once per connection (cluster token,
-  model, dtype, block size, layout, shapes). The receiver ignores anything else from a
-  connection that has not passed it. Resent every second until answered, so a sender may
-  start before the receiver listens.
-* ``[KVSetup]`` -> ``[KVSetupReply]``: the sender offers its transports in order of
-  preference; the receiver picks the first one it accepts too, or refuses. zmq moves the
-  blocks in frames on this connection; nixl and nccl (``nixl_backend``, ``nccl_backend``)
-  move them on their own data plane and use this connection for control only.
-* ``[KVBlocks, payload]`` (zmq plane): layers ``[layer_start, layer_end)`` of the listed
-  destination blocks, payload = raw bytes of ``[layers, blocks, 2, BS, Hkv, D]``. No reply:
-  frames stream back to back, and an error is kept for the commit's ack.
-* ``[KVRenew]``: extend leases, no reply.
-* ``[KVCommit]`` -> ``[KVAck]``: the ack says whether every layer of every block landed
-  inside a live reservation.
-
-Validation on the receiver (a hostile or broken peer can neither crash the node nor write
-outside a reservation): the cluster token is compared in constant time; what a connection
-passed (handshake, set-up) is state of that TCP connection, dropped when it closes, so a
-routing id reused by another connection inherits nothing; after the handshake every message
-must decode as a known type with the right number of frames, and a payload frame must name a
-layer range inside the model, distinct block ids, a byte length exactly what its header and the
-agreed shape imply, and blocks all reserved for its request (``ReservationTable``). A refused
-message logs a warning (rate-limited) and fails only the request it names; nothing a peer sends
-raises out of the receiver thread.
-
-On the zmq plane the sender copies the request's blocks out of its cache into one CPU
-staging tensor when ``send`` is called (the only copy on that side); frames point into that
-tensor (``copy=False``). The receiver reads each frame without copying it
-and copies it straight into the reserved blocks: one copy per side.
+The sender copies the request's blocks out of its cache into one CPU staging tensor when
+``send`` is called (the only copy on that side); frames point into that tensor (``copy=False``).
+The receiver reads each frame without copying it and copies it straight into the reserved
+blocks: one copy per side. Runs everywhere; the default on a CPU-only host.
 """
 
 from __future__ import annotations
 
-import collections
-import hmac
-import itertools
-import logging
-import queue
-import threading
-import time
-import uuid
 import warnings
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
-import zmq
-from zmq.utils.monitor import parse_monitor_message
 
 from pdserve.kv_transfer.base import (
-    KVReceiver,
-    KVRefused,
-    KVSender,
-    KVTransferError,
-    ReceiverPlane,
     ReservationTable,
+    Staged,
+    copy_to_cpu,
+    layer_chunks,
+    slab_bytes,
+    valid_block_ids,
+)
+from pdserve.kv_transfer.messages import KVBlocks, KVCommit, KVSetup, KVSetupReply
+from pdserve.kv_transfer.plane import (
+    ControlLink,
+    Outbox,
+    ReceiverPlane,
     SenderPlane,
     SenderSession,
-    Staged,
-    check_compatible,
+    TransportPlugin,
 )
-from pdserve.kv_transfer.wire import KVReadDone, KVReady, KVSend, KVSetup, KVSetupReply
-from pdserve.messages import (
-    KVAck,
-    KVBlocks,
-    KVCommit,
-    KVHandshake,
-    KVHandshakeReply,
-    KVRenew,
-    NodeInfo,
-    decode,
-    encode,
-)
-
-logger = logging.getLogger(__name__)
-
-MAX_FRAME_BYTES = 16 << 20
-"""Payload frames are cut at layer boundaries to stay under this size (memory per frame)."""
-RECEIVE_HWM = 16
-"""Messages a receiver queues per connection before TCP pushes back: bounds what one peer, even
-one that never passes the handshake, can make the node hold (RECEIVE_HWM * MAX_FRAME_BYTES)."""
-HANDSHAKE_RESEND_S = 1.0
-REFUSED_DRAIN_S = 1.0
-"""After a refused commit, how long the sender waits for its data to finish leaving before it
-takes the connection for broken (the peer drains data before it answers the commit)."""
-
-_REQUESTS = KVHandshake | KVSetup | KVBlocks | KVReady | KVSend | KVCommit | KVRenew
-_REPLIES = KVHandshakeReply | KVSetupReply | KVAck | KVReadDone
-_instances = itertools.count()
+from pdserve.messages import encode
 
 
-def tokens_match(given: str, expected: str) -> bool:
-    """The cluster token check, in constant time; any token passes when none is configured."""
-    return not expected or hmac.compare_digest(given.encode(), expected.encode())
+@dataclass(frozen=True)
+class ZmqOptions:
+    max_frame_bytes: int = 16 << 20
+    """Payload frames are cut at layer boundaries to stay under this size (memory per frame)."""
 
 
-class WarnLimiter:
-    """Refusals log a warning each, but a flood of them at most ``burst`` per ``window_s`` (then
-    one line with how many were left out), so a hostile peer cannot fill the disk with logs."""
-
-    def __init__(self, burst: int = 20, window_s: float = 10.0) -> None:
-        self.burst = burst
-        self.window_s = window_s
-        self._start = 0.0
-        self._count = 0
-        self._lock = threading.Lock()
-
-    def warning(self, fmt: str, *args) -> None:
-        with self._lock:
-            now = time.monotonic()
-            if now - self._start > self.window_s:
-                if self._count > self.burst:
-                    logger.warning("%d more KV refusals not logged", self._count - self.burst)
-                self._start, self._count = now, 0
-            self._count += 1
-            if self._count > self.burst:
-                return
-        logger.warning(fmt, *args)
-
-
-def _short(request_id: str) -> str:
-    return repr(request_id if len(request_id) <= 64 else request_id[:64] + "...")
-
-
-@dataclass
-class _Conn:
-    """A sender connection that passed the handshake: state of that TCP connection (``fd``), so
-    a ROUTER routing id reused by a later connection inherits nothing."""
-
-    fd: int
-    transport: str = ""  # agreed at set-up; "" before
-
-
-def _frame_layers(num_layers: int, bytes_per_layer: int) -> list[tuple[int, int]]:
-    step = max(1, MAX_FRAME_BYTES // max(bytes_per_layer, 1))
-    return [(i, min(i + step, num_layers)) for i in range(0, num_layers, step)]
-
-
-class Outbox:
-    """Lets data planes reply on the control connection: the receiver's control thread alone owns
-    the ROUTER socket and sends what it is given here; other threads' replies reach it through an
-    inproc socket it forwards from."""
-
-    def __init__(self, ctx: zmq.Context, address: str) -> None:
-        self._sock = ctx.socket(zmq.PUSH)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.connect(address)
-        self._lock = threading.Lock()
-        self._router = None
-        self._owner = 0
-
-    def own(self, router) -> None:
-        """Called by the control thread: its own replies go straight out on ``router``."""
-        self._router, self._owner = router, threading.get_ident()
-
-    def put(self, peer: bytes, msg) -> None:
-        if self._router is not None and threading.get_ident() == self._owner:
-            self._router.send_multipart([peer, encode(msg)])
-            return
-        with self._lock:
-            self._sock.send_multipart([peer, encode(msg)])
-
-    def close(self) -> None:
-        with self._lock:
-            self._router = None
-            self._sock.close(linger=0)
-
-
-class ZmqReceiver(KVReceiver):
-    """Decode side: serves the control protocol; moves data in zmq frames or on ``planes``.
-
-    ``transports`` lists what this node accepts (``zmq`` and the names of ``planes``).
-    """
+class ZmqReceiverPlane(ReceiverPlane):
+    """Copies each payload frame into its reserved blocks, on the control thread, under the
+    reservation table's lock."""
 
     name = "zmq"
+    messages = (KVBlocks,)
 
-    def __init__(
+    def __init__(self, options: ZmqOptions = ZmqOptions()) -> None:
+        super().__init__()
+        self.options = options
+        self.max_message_bytes = options.max_frame_bytes
+
+    def start(
         self,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        cluster_token: str = "",
-        planes: Sequence[ReceiverPlane] = (),
-        transports: Sequence[str] = ("zmq",),
+        kv: torch.Tensor,
+        table: ReservationTable,
+        outbox: Outbox,
+        on_commit: Callable[[KVCommit], None],
+        host: str,
     ) -> None:
-        self.host = host
-        self.port = port
-        self.cluster_token = cluster_token
-        self.planes = {p.name: p for p in planes}
-        self.transports = tuple(transports)
-        assert set(self.transports) == set(self.planes) | ({"zmq"} & set(self.transports)), self.transports
-        self.name = self.transports[0]
-        self.kv: torch.Tensor | None = None
-        self._ctx = zmq.Context.instance()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._conns: dict[bytes, _Conn] = {}  # routing id -> connection that passed the handshake
-        self._warn = WarnLimiter()
-        self._zmq_bytes = 0
-        self.num_refused = 0  # messages refused (tests and logs)
+        self.kv, self.table = kv, table
 
-    @property
-    def bytes_received(self) -> int:
-        return self._zmq_bytes + sum(p.bytes_received for p in self.planes.values())
+    def setup(self, peer: bytes, msg: KVSetup) -> KVSetupReply:
+        return KVSetupReply(ok=True, transport="zmq")
 
-    def register_kv_cache(self, kv_cache: torch.Tensor) -> None:
-        assert kv_cache.dim() == 6 and kv_cache.is_contiguous(), "kv_cache must be [L, NB, 2, BS, Hkv, D]"
-        self.kv = kv_cache
-
-    def start(self, info: NodeInfo, table: ReservationTable, on_commit: Callable[[KVCommit], None]) -> str:
-        assert self.kv is not None, "register_kv_cache first"
-        sock = self._ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + (1 << 20))
-        sock.setsockopt(zmq.RCVHWM, RECEIVE_HWM)
-        if self.port:
-            sock.bind(f"tcp://{self.host}:{self.port}")
-            port = self.port
-        else:
-            port = sock.bind_to_random_port(f"tcp://{self.host}")
-        address = f"tcp://{self.host}:{port}"
-        pull = self._ctx.socket(zmq.PULL)
-        pull.setsockopt(zmq.LINGER, 0)
-        outbox_address = f"inproc://pdserve-kv-outbox-{next(_instances)}"
-        pull.bind(outbox_address)
-        self._outbox = Outbox(self._ctx, outbox_address)
-        for plane in self.planes.values():
-            plane.start(self.kv, table, self._outbox, on_commit, self.host)
-        self._thread = threading.Thread(
-            target=self._serve, args=(sock, pull, info, table, on_commit), name="kv-receiver", daemon=True
-        )
-        self._thread.start()
-        return address
-
-    def close(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-        for plane in self.planes.values():
-            plane.close()
-
-    # -- receiver thread -----------------------------------------------------------------------
-
-    def _serve(self, sock, pull, info: NodeInfo, table: ReservationTable, on_commit) -> None:
-        # Connections accepted and closed: per-connection state must not outlive its connection.
-        monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
-        self._outbox.own(sock)
-        if self.kv.is_cuda:  # planes work on the cache from this thread (NIXL asks about pointers)
-            torch.cuda.set_device(self.kv.device)
-        poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
-        poller.register(pull, zmq.POLLIN)
-        try:
-            while not self._stop.is_set():
-                try:
-                    self._serve_once(poller, sock, pull, monitor, info, table, on_commit)
-                except zmq.ContextTerminated:
-                    return
-                except Exception:  # nothing a peer sends may stop this thread
-                    logger.exception("KV receiver: unexpected error (still serving)")
-        finally:
-            self._outbox.close()
-            sock.disable_monitor()
-            monitor.close(linger=0)
-            pull.close(linger=0)
-            sock.close(linger=0)
-
-    def _serve_once(self, poller, sock, pull, monitor, info, table, on_commit) -> None:
-        busy = False
-        for plane in self.planes.values():
-            busy |= plane.poll()
-        if busy:
-            # Turn again at once, but yield the GIL first: a spin on poll(0) alone would take it
-            # back before the engine thread gets a turn (measured: 4x slower small Python work).
-            time.sleep(0)
-        events = dict(poller.poll(0 if busy else 100))
-        if pull in events:
-            while True:
-                try:
-                    sock.send_multipart(pull.recv_multipart(zmq.NOBLOCK))
-                except zmq.Again:
-                    break
-        if sock not in events:
-            return
-        # Read connection events first: a connection's ACCEPTED event is queued before any message
-        # of it can arrive, so a reused routing id is never taken for the connection it replaced.
-        self._drain_monitor(monitor)
-        frames = sock.recv_multipart(copy=False)
-        peer = frames[0].bytes
-        try:
-            reply = self._handle(peer, frames[1:], info, table, on_commit)
-        except Exception as e:  # a bad frame must never take the node down
-            self._refused("dropping a malformed KV message: %s", e)
-            reply = None
-        if reply is not None:
-            sock.send_multipart([frames[0], encode(reply)])
-
-    def _drain_monitor(self, monitor) -> None:
-        while True:
-            try:
-                raw = monitor.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            try:
-                fd = parse_monitor_message(raw)["value"]  # ACCEPTED / DISCONNECTED: the socket's fd
-            except Exception:
-                continue
-            for peer in [p for p, c in self._conns.items() if c.fd == fd]:
-                self._forget(peer)
-
-    def _forget(self, peer: bytes) -> None:
-        conn = self._conns.pop(peer, None)
-        plane = self.planes.get(conn.transport) if conn is not None else None
-        if plane is not None:
-            plane.drop(peer)
-
-    def _refused(self, fmt: str, *args) -> None:
-        self.num_refused += 1
-        self._warn.warning(fmt, *args)
-
-    def _refuse(self, msg, why: str, table: ReservationTable):
-        """An authenticated message that cannot be acted on: fail the request it names (only that
-        one), log, and answer what its sender waits for."""
-        rid = getattr(msg, "request_id", "")
-        self._refused("refusing %s for %s: %s", type(msg).__name__, _short(rid), why)
-        if isinstance(rid, str) and rid:
-            table.fail(rid, why)
-        if isinstance(msg, KVCommit):
-            return KVAck(request_id=rid, ok=False, error=why)
-        if isinstance(msg, KVSetup):
-            return KVSetupReply(ok=False, error=why)
-        if isinstance(msg, KVReady):
-            return KVReadDone(request_id=rid, xfer_id=msg.xfer_id, error=why)
-        return None
-
-    def _handle(self, peer: bytes, frames, info: NodeInfo, table: ReservationTable, on_commit):
-        if not frames:
-            raise ValueError("no frames")
-        fd = frames[0].get(zmq.SRCFD)
-        conn = self._conns.get(peer)
-        if conn is not None and conn.fd != fd:  # the routing id came back on another connection
-            self._forget(peer)
-            conn = None
-        msg = decode(frames[0].buffer, _REQUESTS)
-        if isinstance(msg, KVHandshake):
-            self._forget(peer)  # a handshake starts the connection's state afresh
-            if len(frames) != 1:
-                self._refused("refusing a KV handshake of %d frames", len(frames))
-                return KVHandshakeReply(ok=False, error="malformed handshake")
-            if not tokens_match(msg.cluster_token, self.cluster_token):
-                self._refused("refusing KV peer %s: wrong cluster token", _short(msg.info.node_id))
-                return KVHandshakeReply(ok=False, error="wrong cluster token")
-            mismatches = check_compatible(info, msg.info)
-            if mismatches:
-                error = "incompatible peers: " + "; ".join(mismatches)
-                logger.error("refusing KV peer %s: %s", msg.info.node_id, error)
-                return KVHandshakeReply(ok=False, error=error, info=info)
-            self._conns[peer] = _Conn(fd)
-            return KVHandshakeReply(ok=True, info=info)
-        if conn is None:
-            self._refused("ignoring %s from a KV peer that did not pass the handshake", type(msg).__name__)
-            if isinstance(msg, KVCommit):
-                return KVAck(request_id=msg.request_id, ok=False, error="handshake first")
-            return KVSetupReply(ok=False, error="handshake first") if isinstance(msg, KVSetup) else None
-        num_frames = 2 if isinstance(msg, KVBlocks) else 1
-        if len(frames) != num_frames:
-            return self._refuse(msg, f"{len(frames)} frames where {num_frames} belong", table)
-        if isinstance(msg, KVSetup):
-            return self._setup(peer, conn, msg)
-        if isinstance(msg, KVRenew):
-            table.renew(msg.request_ids)
-            return None
-        transport = conn.transport
-        if isinstance(msg, KVBlocks):
-            if transport != "zmq":
-                why = f"zmq KV frames on a connection set up for {transport or 'nothing'}"
-                return self._refuse(msg, why, table)
-            error = self._write(msg, frames[1], table)
-            return self._refuse(msg, error, table) if error else None
-        plane = self.planes.get(transport)
-        if isinstance(msg, KVReady | KVSend):
-            if plane is None or type(msg) is not _DATA_MESSAGE.get(transport):
-                why = f"{type(msg).__name__} on a connection set up for {transport!r}"
-                return self._refuse(msg, why, table)
-            plane.handle(peer, msg)
-            return None
-        if plane is not None and plane.handles_commit:
-            plane.handle(peer, msg)  # queued behind the data it must follow; acked by the plane
-            return None
-        error = table.commit(msg.request_id)
-        if not error:
-            on_commit(msg)
-        return KVAck(request_id=msg.request_id, ok=not error, error=error)
-
-    def _setup(self, peer: bytes, conn: _Conn, msg: KVSetup) -> KVSetupReply:
-        chosen = next((t for t in msg.transports if t in self.transports), None)
-        if chosen is None:
-            return KVSetupReply(
-                ok=False,
-                error=f"no common KV transport: the sender offers {', '.join(msg.transports)}; "
-                f"this node accepts {', '.join(self.transports)}",
-            )
-        previous = self.planes.get(conn.transport)
-        conn.transport = ""
-        if previous is not None:
-            previous.drop(peer)
-        if chosen == "zmq":
-            reply = KVSetupReply(ok=True, transport="zmq")
-        else:
-            try:
-                reply = self.planes[chosen].setup(peer, msg)
-            except Exception as e:
-                logger.exception("setting up %s for a KV peer failed", chosen)
-                reply = KVSetupReply(ok=False, error=f"{chosen} set-up failed on the decode node: {e}")
-        if reply.ok:
-            conn.transport = chosen
-        return reply
-
-    def _write(self, msg: KVBlocks, payload, table: ReservationTable) -> str:
+    def handle(self, peer: bytes, msg: KVBlocks, payload: Sequence) -> str:
         """Copy one payload frame into its reserved blocks; "" or why it was refused."""
         kv = self.kv
         num_layers = msg.layer_end - msg.layer_start
@@ -429,8 +79,9 @@ class ZmqReceiver(KVReceiver):
             return f"layer range [{msg.layer_start}, {msg.layer_end}) outside [0, {kv.shape[0]})"
         if not valid_block_ids(msg.block_ids, kv.shape[1]):
             return "KV frame names invalid or repeated block ids"
-        expected = num_layers * len(msg.block_ids) * kv[0, 0].numel() * kv.element_size()
-        got = len(payload.buffer)
+        expected = num_layers * len(msg.block_ids) * slab_bytes(kv)
+        frame = payload[0]
+        got = len(frame.buffer)
         if got != expected or msg.nbytes != expected:
             return f"KV frame of {got} bytes (header: {msg.nbytes}), expected {expected}"
         shape = (num_layers, len(msg.block_ids), *kv.shape[2:])
@@ -438,286 +89,69 @@ class ZmqReceiver(KVReceiver):
         def copy() -> None:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # the frame is read-only; we only read it
-                src = torch.frombuffer(payload.buffer, dtype=kv.dtype).view(shape)
+                src = torch.frombuffer(frame.buffer, dtype=kv.dtype).view(shape)
             ids = torch.tensor(msg.block_ids, dtype=torch.long, device=kv.device)
             kv[msg.layer_start : msg.layer_end].index_copy_(1, ids, src.to(kv.device))
 
-        error = table.write(msg.request_id, msg.block_ids, msg.layer_start, msg.layer_end, copy)
+        error = self.table.write(msg.request_id, msg.block_ids, msg.layer_start, msg.layer_end, copy)
         if not error:
-            self._zmq_bytes += expected
+            self.bytes_received += expected
         return error
 
+    def drop(self, peer: bytes) -> None:
+        pass
 
-_DATA_MESSAGE = {"nixl": KVReady, "nccl": KVSend}
-
-
-def valid_block_ids(block_ids: Sequence[int], num_blocks: int) -> bool:
-    """Non-empty, distinct, each in [0, num_blocks): a frame never names a block twice or one
-    outside the cache (the reservation table then checks they are the request's)."""
-    return (
-        bool(block_ids)
-        and len(block_ids) <= num_blocks
-        and len(set(block_ids)) == len(block_ids)
-        and 0 <= min(block_ids) <= max(block_ids) < num_blocks
-    )
+    def close(self) -> None:
+        pass
 
 
-@dataclass
-class _Job:
-    info: NodeInfo
-    request_id: str  # or, for a lease renewal, "" with ``renew`` set
-    staged: Staged | None  # None for a bare handshake or a renewal
-    dst_block_ids: list[int]
-    commit: KVCommit | None  # None: more blocks follow later
-    timeout: float
-    future: Future
-    renew: KVRenew | None = None
+class ZmqSenderPlane(SenderPlane):
+    name = "zmq"
+
+    def __init__(self, options: ZmqOptions = ZmqOptions()) -> None:
+        self.options = options
+
+    def register(self, kv: torch.Tensor) -> None:
+        pass
+
+    def stage(
+        self,
+        kv: torch.Tensor,
+        block_ids: Sequence[int],
+        dst_block_ids: Sequence[int],
+        layer_events: Sequence | None = None,
+    ) -> Staged:
+        return copy_to_cpu(kv, block_ids)  # [L, n, 2, BS, Hkv, D] on the CPU, the only copy
+
+    def connect(self, link: ControlLink, setup: KVSetup, reply: KVSetupReply, deadline: float) -> ZmqSession:
+        return ZmqSession(self, link)
 
 
-class _Peer:
-    """One decode node: a DEALER socket owned by one thread that runs jobs in order."""
+class ZmqSession(SenderSession):
+    def __init__(self, plane: ZmqSenderPlane, link: ControlLink) -> None:
+        self.plane = plane
+        self.link = link
 
-    FAILED_MEMORY = 4096
-    """Request ids whose KV failed part-way, remembered so that their commit is refused here."""
-
-    def __init__(self, sender: ZmqSender, address: str) -> None:
-        self.sender = sender
-        self.address = address
-        self.jobs: queue.Queue[_Job | None] = queue.Queue()
-        self.sock = None
-        self.peer_info: NodeInfo | None = None
-        self.transport = ""  # agreed at set-up; "" before
-        self.session: SenderSession | None = None  # the data plane's connection (None for zmq)
-        self.refused = ""  # permanent handshake refusal
-        self.failed: collections.OrderedDict[str, None] = collections.OrderedDict()
-        self._waiting_for = ""
-        self.thread = threading.Thread(target=self._run, name=f"kv-sender {address}", daemon=True)
-        self.thread.start()
-
-    def _connect(self) -> None:
-        self._close_socket()
-        sock = self.sender._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, 64)
-        sock.connect(self.address)
-        self.sock = sock
-
-    def _close_socket(self) -> None:
-        """Forget the connection and its data-plane session: the next job starts afresh."""
-        if self.session is not None:
-            try:
-                self.session.close()
-            except Exception:
-                logger.exception("closing the %s session to %s failed", self.transport, self.address)
-            self.session = None
-        self.peer_info = None
-        self.transport = ""
-        if self.sock is not None:
-            self.sock.close(linger=0)
-            self.sock = None
-
-    def _run(self) -> None:
-        while True:
-            job = self.jobs.get()
-            if job is None:
-                self._close_socket()
-                return
-            try:
-                job.future.set_result(self._do(job))
-            except Exception as e:
-                # The request is never committed from here on (its source blocks may be reused).
-                if job.request_id:
-                    self.failed[job.request_id] = None
-                    while len(self.failed) > self.FAILED_MEMORY:
-                        self.failed.popitem(last=False)
-                # A refusal leaves the connection as it was (a new NCCL communicator costs a second
-                # on GPUs); a timeout or broken peer leaves it in an unknown state: start afresh.
-                if not isinstance(e, KVRefused):
-                    self._close_socket()
-                job.future.set_exception(e if isinstance(e, KVTransferError) else KVTransferError(str(e)))
-
-    def recv(self, deadline: float, kind, resend: list | None = None, idle: Callable[[], None] | None = None):
-        """The next reply of type ``kind`` (for KVAck: of the request awaited); stale replies are
-        skipped. ``resend`` goes out again every HANDSHAKE_RESEND_S without an answer; ``idle`` (a
-        data plane's progress call) runs every millisecond without one."""
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise KVTransferError(f"no reply from KV peer {self.address} in time")
-            wait = min(left, HANDSHAKE_RESEND_S) if resend else left
-            if not self.sock.poll(1 if idle is not None else int(wait * 1000) + 1):
-                if idle is not None:
-                    idle()
-                if resend and time.monotonic() < deadline:
-                    self.send(resend, deadline)
-                continue
-            msg = decode(self.sock.recv(), _REPLIES)
-            if isinstance(msg, kind) and (not isinstance(msg, KVAck) or msg.request_id == self._waiting_for):
-                return msg
-
-    def send(self, frames: list, deadline: float) -> None:
-        while True:
-            try:
-                self.sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
-                return
-            except zmq.Again:
-                if time.monotonic() > deadline:
-                    raise KVTransferError(f"KV peer {self.address} is not accepting data") from None
-                time.sleep(0.001)
-
-    def _open(self, info: NodeInfo, deadline: float) -> None:
-        """Handshake, then agree on a transport and connect its data plane."""
-        hello = [encode(KVHandshake(info=info, cluster_token=self.sender.cluster_token))]
-        self.send(hello, deadline)
-        reply = self.recv(deadline, KVHandshakeReply, resend=hello)
-        if not reply.ok:
-            self.refused = f"KV peer {self.address} refused the handshake: {reply.error}"
-            raise KVTransferError(self.refused)
-        fields: dict = {}
-        for plane in self.sender.planes.values():
-            fields.update(plane.setup_fields())
-        setup = KVSetup(session=uuid.uuid4().hex, transports=list(self.sender.transports), **fields)
-        self.send([encode(setup)], deadline)
-        chosen = self.recv(deadline, KVSetupReply)
-        if not chosen.ok:
-            self.refused = f"KV peer {self.address} refused the transport set-up: {chosen.error}"
-            raise KVTransferError(self.refused)
-        if chosen.transport != "zmq":
-            self.session = self.sender.planes[chosen.transport].connect(self, setup, chosen, deadline)
-        self.transport = chosen.transport
-        self.peer_info = reply.info
-
-    def _do(self, job: _Job):
-        if self.refused:
-            raise KVTransferError(self.refused)
-        deadline = time.monotonic() + job.timeout
-        self._waiting_for = ""
-        if self.sock is None:
-            self._connect()
-        if self.peer_info is None:
-            self._open(job.info, deadline)
-        if job.renew is not None:
-            self.send([encode(job.renew)], deadline)
-            return None
-        staged = job.staged
-        if staged is None:
-            return self.peer_info
-        rid = job.request_id
-        if rid in self.failed:
-            raise KVTransferError(f"an earlier part of request {rid}'s KV failed; it cannot be committed")
-        finish = None  # waits for data still leaving (planes whose peer queues the commit behind it)
-        if job.dst_block_ids:
-            if self.session is not None:
-                finish = self.session.deliver(rid, staged, job.dst_block_ids, deadline)
-            else:
-                self._send_frames(rid, staged, job.dst_block_ids, deadline)
-        if job.commit is None:
-            if finish is not None:
-                finish(deadline)
-            return None
-        self._waiting_for = rid
-        self.send([encode(job.commit)], deadline)
-        ack = self.recv(deadline, KVAck)
-        if not ack.ok:
-            # The peer took the data before it answered, so it has left here or is about to; if
-            # it is stuck (the peer broke its side), this raises and the session is closed.
-            if finish is not None:
-                finish(min(deadline, time.monotonic() + REFUSED_DRAIN_S))
-            raise KVRefused(f"KV peer {self.address} refused request {rid}: {ack.error}")
-        if finish is not None:
-            finish(deadline)
-        return ack
-
-    def _send_frames(self, rid: str, staged: Staged, dst_block_ids: list[int], deadline: float) -> None:
+    def deliver(self, request_id: str, staged: Staged, dst_block_ids: list[int], deadline: float) -> None:
+        """Frames of at most ``max_frame_bytes``, cut at layer boundaries, pointing into the staged
+        tensor; returns once they are queued on the connection (the commit follows them)."""
         staged.wait()
         tensor = staged.tensor.cpu()
         bytes_per_layer = tensor[0].numel() * tensor.element_size()
-        for start, end in _frame_layers(tensor.shape[0], bytes_per_layer):
+        for start, end in layer_chunks(tensor.shape[0], bytes_per_layer, self.plane.options.max_frame_bytes):
             part = tensor[start:end]
-            header = KVBlocks(rid, dst_block_ids, start, end, part.numel() * part.element_size())
-            self.send([encode(header), memoryview(part.view(torch.uint8).numpy())], deadline)
-
-
-class ZmqSender(KVSender):
-    """Prefill side: the control protocol to each peer; data in zmq frames or on ``planes``.
-
-    ``transports`` is the order of preference offered at set-up (``zmq`` and plane names).
-    """
-
-    name = "zmq"
-
-    def __init__(
-        self,
-        cluster_token: str = "",
-        planes: Sequence[SenderPlane] = (),
-        transports: Sequence[str] = ("zmq",),
-    ) -> None:
-        self.cluster_token = cluster_token
-        self.planes = {p.name: p for p in planes}
-        self.transports = tuple(transports)
-        assert set(self.transports) == set(self.planes) | ({"zmq"} & set(self.transports)), self.transports
-        self.name = self.transports[0]
-        self.kv: torch.Tensor | None = None
-        self._ctx = zmq.Context.instance()
-        self._peers: dict[str, _Peer] = {}
-        self._lock = threading.Lock()
-        self.bytes_sent = 0
-
-    def register_kv_cache(self, kv_cache: torch.Tensor) -> None:
-        assert kv_cache.dim() == 6 and kv_cache.is_contiguous(), "kv_cache must be [L, NB, 2, BS, Hkv, D]"
-        self.kv = kv_cache
-        self._bytes_per_block = kv_cache[:, 0].numel() * kv_cache.element_size()
-        for plane in self.planes.values():
-            plane.register(kv_cache)
-
-    def _peer(self, address: str) -> _Peer:
-        with self._lock:
-            peer = self._peers.get(address)
-            if peer is None:
-                peer = self._peers[address] = _Peer(self, address)
-            return peer
-
-    def renew(self, address: str, info: NodeInfo, request_ids: Sequence[str]) -> None:
-        job = _Job(info, "", None, [], None, 5.0, Future(), renew=KVRenew(list(request_ids)))
-        self._peer(address).jobs.put(job)
-
-    def handshake(self, address: str, info: NodeInfo, timeout: float) -> NodeInfo:
-        fut: Future = Future()
-        self._peer(address).jobs.put(_Job(info, "", None, [], None, timeout, fut))
-        return fut.result()
-
-    def send(
-        self,
-        address: str,
-        info: NodeInfo,
-        request_id: str,
-        src_block_ids: Sequence[int],
-        dst_block_ids: Sequence[int],
-        commit: KVCommit | None,
-        timeout: float,
-        layer_events: Sequence | None = None,
-    ) -> Future[KVAck | None]:
-        assert self.kv is not None, "register_kv_cache first"
-        if len(src_block_ids) != len(dst_block_ids):
-            raise KVTransferError(f"{len(src_block_ids)} source blocks for {len(dst_block_ids)} destinations")
-        peer = self._peer(address)
-        plane = self.planes.get(peer.transport)  # read once: the peer thread may change it
-        if plane is not None:
-            staged = plane.stage(self.kv, src_block_ids, dst_block_ids, layer_events)
-        else:
-            # zmq, or not agreed yet: [L, n, 2, BS, Hkv, D] on the CPU, the only copy (a plane
-            # agreed on later moves it, or, reading in place, the blocks themselves)
-            idx = torch.tensor(list(src_block_ids), dtype=torch.long, device=self.kv.device)
-            staged = Staged(self.kv.index_select(1, idx).cpu(), list(src_block_ids))
-        self.bytes_sent += len(src_block_ids) * self._bytes_per_block
-        fut: Future = Future()
-        peer.jobs.put(_Job(info, request_id, staged, list(dst_block_ids), commit, timeout, fut))
-        return fut
+            header = KVBlocks(request_id, dst_block_ids, start, end, part.numel() * part.element_size())
+            self.link.send([encode(header), memoryview(part.view(torch.uint8).numpy())], deadline)
 
     def close(self) -> None:
-        with self._lock:
-            peers, self._peers = list(self._peers.values()), {}
-        for peer in peers:
-            peer.jobs.put(None)
-        for peer in peers:
-            peer.thread.join(timeout=5)
+        pass
+
+
+PLUGIN = TransportPlugin(
+    name="zmq",
+    options=ZmqOptions,
+    available=lambda: True,
+    sender_plane=ZmqSenderPlane,
+    receiver_plane=ZmqReceiverPlane,
+    auto_on_cpu=True,
+)

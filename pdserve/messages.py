@@ -1,7 +1,8 @@
 """Typed messages that cross process boundaries, and their one serializer (msgpack via msgspec).
 
-Control plane (HTTP between proxy and nodes) and data plane (KV transport frames)
-carry only these structs. Every decode validates types and required fields; semantic
+The control plane (HTTP between proxy and nodes) carries only these structs; the KV channel's
+messages (prefill node -> decode node) build on ``Message`` and live in one module of their own,
+``pdserve.kv_transfer.messages``. Every decode validates types and required fields; semantic
 checks (sizes, ids, block ranges) happen where the message is used.
 
 Request life cycle across processes (numbers match docs/architecture.md):
@@ -9,8 +10,8 @@ Request life cycle across processes (numbers match docs/architecture.md):
 1. proxy -> decode ``ReserveRequest``; decode -> proxy ``LandingDescriptor``
 2. proxy -> decode ``StreamRequest`` (opens the token stream of ``TokenEvent`` frames)
 3. proxy -> prefill ``PrefillRequest`` (carries the landing descriptor)
-4. prefill -> decode over the KV transport: ``KVHandshake`` once per peer, then
-   ``KVBlocks`` frames and one ``KVCommit`` per request
+4. prefill -> decode over the KV transport (``pdserve.kv_transfer.messages``): ``KVHandshake``
+   once per peer, then the blocks and one ``KVCommit`` per request
 5. prefill -> proxy ``PrefillResult`` (control plane only: ok or an error)
 6. proxy -> either node ``AbortRequest`` on client disconnect or failure
 
@@ -157,57 +158,6 @@ class TokenEvent(Message):
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     error: str = ""
-
-
-class KVHandshake(Message):
-    info: NodeInfo
-    cluster_token: str = ""
-
-
-class KVHandshakeReply(Message):
-    ok: bool
-    error: str = ""
-    info: NodeInfo | None = None
-
-
-class KVBlocks(Message):
-    """Header of one payload frame: layers [layer_start, layer_end) of the listed destination blocks.
-
-    The payload is the raw bytes of a [layer_end - layer_start, len(block_ids), 2, BS, Hkv, D]
-    tensor in the agreed dtype.
-    """
-
-    request_id: str
-    block_ids: list[int]
-    layer_start: int
-    layer_end: int
-    nbytes: int
-
-
-class KVCommit(Message):
-    """All of a request's KV was sent; carries what the decode node needs to continue."""
-
-    request_id: str
-    first_token: int
-    first_logprobs: LogprobsMsg | None = None
-    generator_state: bytes = b""  # the seeded sampler's state after the first token
-    num_cached_tokens: int = 0
-
-
-class KVAck(Message):
-    request_id: str
-    ok: bool
-    error: str = ""
-
-
-class KVRenew(Message):
-    """The prefill node still works on these requests: extend their leases by their original length.
-
-    Sent while a prompt waits or runs on the prefill node, so a long queue there does not void
-    the decode node's reservation; a dead prefill node stops renewing and the leases run out.
-    """
-
-    request_ids: list[str]
 
 
 _encoder = msgspec.msgpack.Encoder()

@@ -40,8 +40,8 @@ from pdserve.engine.request import Request as EngineRequest
 from pdserve.engine.request import RequestStatus
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.kv_transfer import KVTransferError
+from pdserve.kv_transfer.messages import KVCommit
 from pdserve.messages import (
-    KVCommit,
     LandingDescriptor,
     LogprobsMsg,
     PrefillRequest,

@@ -22,14 +22,17 @@ import zmq
 
 from pdserve.cluster import ClusterConfig, LocalCluster, free_port
 from pdserve.config import ModelConfig
-from pdserve.kv_transfer.wire import KVSetup, KVSetupReply
-from pdserve.messages import (
-    AbortRequest,
+from pdserve.kv_transfer.messages import (
     KVAck,
     KVBlocks,
     KVCommit,
     KVHandshake,
     KVHandshakeReply,
+    KVSetup,
+    KVSetupReply,
+)
+from pdserve.messages import (
+    AbortRequest,
     LandingDescriptor,
     NodeInfo,
     NodeLoad,

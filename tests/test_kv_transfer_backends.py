@@ -4,10 +4,12 @@ handshake refusals, lease and reservation rules, transport agreement, and the ab
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 
@@ -17,7 +19,8 @@ import torch
 
 from pdserve import kv_transfer
 from pdserve.kv_transfer import KVRefused, KVTransferError, ReservationTable
-from pdserve.messages import KVCommit, NodeInfo
+from pdserve.kv_transfer.messages import KVCommit
+from pdserve.messages import NodeInfo
 
 L, NB, BS, H, D = 3, 16, 4, 2, 8
 _NIXL = pytest.mark.skipif("nixl" not in kv_transfer.available_transports(), reason="nixl not installed")
@@ -36,22 +39,28 @@ def backend(name: str) -> str:
     return name.split("-")[0]
 
 
+FORCED: tuple = ()
+"""Transport options for the senders and receivers this process makes (set per test below; a
+process spawned by a test starts with none, as it imports this module afresh)."""
+
+
 @pytest.fixture(autouse=True)
 def _forced_ways(request, monkeypatch):
     """Tests of "nccl-direct" send every block straight from cache to cache (over gloo here), and
     of "nixl-packed" pack every send into staging slots (as CUDA caches do with fragmented blocks)."""
     callspec = getattr(request.node, "callspec", None)
     params = callspec.params.values() if callspec is not None else ()
+    forced = []
     if "nccl-direct" in params:
-        from pdserve.kv_transfer import nccl_backend
-
-        monkeypatch.setattr(nccl_backend, "DIRECT_ON_CPU", True)
-        monkeypatch.setattr(nccl_backend, "DIRECT_MIN_RUN_BYTES", 0)
+        forced.append(kv_transfer.NcclOptions(direct_on_cpu=True, direct_min_run_bytes=0))
     if "nixl-packed" in params:
-        from pdserve.kv_transfer import nixl_backend
+        forced.append(kv_transfer.NixlOptions(pack_on_cpu=True, descriptors_per_piece=0))
+    monkeypatch.setattr(sys.modules[__name__], "FORCED", tuple(forced))
 
-        monkeypatch.setattr(nixl_backend, "PACK_ON_CPU", True)
-        monkeypatch.setattr(nixl_backend, "DESCRIPTORS_PER_PIECE", 0)
+
+def _forced(kind: type):
+    """This test's forced options of one transport, or its defaults."""
+    return next((o for o in FORCED if isinstance(o, kind)), kind())
 
 
 def info(node_id: str, **kw) -> NodeInfo:
@@ -59,8 +68,8 @@ def info(node_id: str, **kw) -> NodeInfo:
     return msgspec.structs.replace(base, **kw)
 
 
-def make_sender(name: str, src: torch.Tensor, **kw):
-    sender = kv_transfer.create_sender(backend(name), **kw)
+def make_sender(name: str, src: torch.Tensor, options: tuple = (), **kw):
+    sender = kv_transfer.create_sender(backend(name), options=options or FORCED, **kw)
     sender.register_kv_cache(src)
     return sender
 
@@ -68,11 +77,13 @@ def make_sender(name: str, src: torch.Tensor, **kw):
 class Receiver:
     """A receiver with its own cache and lease table, as a decode node holds them."""
 
-    def __init__(self, name: str, cluster_token: str = "", clock=time.time) -> None:
+    def __init__(self, name: str, cluster_token: str = "", clock=time.time, options: tuple = ()) -> None:
         self.dst = torch.zeros(L, NB, 2, BS, H, D)
         self.table = ReservationTable(L, clock=clock)
         self.commits: list[KVCommit] = []
-        self.receiver = kv_transfer.create_receiver(backend(name), cluster_token=cluster_token)
+        self.receiver = kv_transfer.create_receiver(
+            backend(name), cluster_token=cluster_token, options=options or FORCED
+        )
         self.receiver.register_kv_cache(self.dst)
         self.address = self.receiver.start(info("decode-0"), self.table, self.commits.append)
 
@@ -453,17 +464,17 @@ def test_sender_killed_mid_prompt_leaves_an_uncommitted_lease(name):
 
 
 @pytest.mark.parametrize("name", [b for b in BACKENDS if b != "zmq"])
-def test_many_chunks_in_flight_stay_in_step(name, monkeypatch):
+def test_many_chunks_in_flight_stay_in_step(name):
     """One layer per chunk: nccl posts chunk k+1's recv before landing chunk k, nixl cuts its READ
     into descriptors of a few slabs; a refused chunk in the middle fails only its request."""
-    from pdserve.kv_transfer import nccl_backend, nixl_backend
-
     src = torch.randn(L, NB, 2, BS, H, D)
     region = src[0, 0].numel() * 4
-    monkeypatch.setattr(nccl_backend, "CHUNK_BYTES", 10 * region)
-    monkeypatch.setattr(nixl_backend, "MAX_DESC_BYTES", 3 * region)
-    r = Receiver(name)
-    sender = make_sender(name, src)
+    options = (
+        dataclasses.replace(_forced(kv_transfer.NcclOptions), chunk_bytes=10 * region),
+        dataclasses.replace(_forced(kv_transfer.NixlOptions), max_desc_bytes=3 * region),
+    )
+    r = Receiver(name, options=options)
+    sender = make_sender(name, src, options=options)
     try:
         ids = list(range(10))
         r.table.add("a", [15 - i for i in ids], time.time() + 10)
@@ -481,11 +492,10 @@ def test_many_chunks_in_flight_stay_in_step(name, monkeypatch):
         r.close()
 
 
-def test_nccl_moves_long_runs_in_place_and_gathers_fragments(monkeypatch):
+def test_nccl_moves_long_runs_in_place_and_gathers_fragments():
     """The sender's choice per send: blocks consecutive in both caches move straight out of the
     cache (no copy); fragmented ones are gathered first (one op instead of one per block)."""
-    import nccl_backend as nb
-
+    from pdserve.kv_transfer import nccl_backend as nb
     from pdserve.kv_transfer.base import block_runs
 
     assert block_runs([4, 5, 6, 9, 10], [0, 1, 2, 3, 4]) == [(4, 0, 3), (9, 3, 2)]
@@ -495,8 +505,8 @@ def test_nccl_moves_long_runs_in_place_and_gathers_fragments(monkeypatch):
     plane = nb.NcclSenderPlane()
     plane.register(kv)
     assert plane.stage(kv, [1, 2, 3, 4], [5, 6, 7, 8]).tensor is not None  # CPU: always staged
-    monkeypatch.setattr(nb, "DIRECT_ON_CPU", True)
-    monkeypatch.setattr(nb, "DIRECT_MIN_RUN_BYTES", 2 * slab)
+    plane = nb.NcclSenderPlane(nb.NcclOptions(direct_on_cpu=True, direct_min_run_bytes=2 * slab))
+    plane.register(kv)
     assert plane.stage(kv, [1, 2, 3, 4], [5, 6, 7, 8]).tensor is None  # one run of 4 slabs per layer
     assert plane.stage(kv, [1, 2, 3, 4], [5, 7, 9, 11]).tensor is not None  # four runs of one
     staged = plane.stage(kv, [1, 3], [0, 1])

@@ -16,7 +16,8 @@ import torch
 
 from pdserve import kv_transfer
 from pdserve.kv_transfer import KVTransferError, ReservationTable
-from pdserve.messages import KVCommit, NodeInfo
+from pdserve.kv_transfer.messages import KVCommit
+from pdserve.messages import NodeInfo
 
 pytestmark = pytest.mark.gpu
 
@@ -82,17 +83,14 @@ class Remote:
 
 
 @pytest.fixture(params=["nixl", "nixl-packed", "nccl", "nccl-direct"])
-def gpu_pair(request, monkeypatch):
+def gpu_pair(request):
     name = request.param
+    options = ()
     if name == "nccl-direct":  # every send straight from cache to cache, whatever its runs
-        from pdserve.kv_transfer import nccl_backend
-
-        monkeypatch.setattr(nccl_backend, "DIRECT_MIN_RUN_BYTES", 0)
+        options = (kv_transfer.NcclOptions(direct_min_run_bytes=0),)
         name = "nccl"
     if name == "nixl-packed":  # every send gathered into staging slots, READ, scattered
-        from pdserve.kv_transfer import nixl_backend
-
-        monkeypatch.setattr(nixl_backend, "DESCRIPTORS_PER_PIECE", 0)
+        options = (kv_transfer.NixlOptions(descriptors_per_piece=0),)
         name = "nixl"
     if name not in kv_transfer.available_transports():
         pytest.skip(f"{name} is not available here")
@@ -100,7 +98,7 @@ def gpu_pair(request, monkeypatch):
     torch.cuda.set_device(send_dev)
     remote = Remote(name, recv_dev)
     src = torch.randn(L, NB, 2, BS, H, D, device=send_dev).to(DTYPE)
-    sender = kv_transfer.create_sender(name)
+    sender = kv_transfer.create_sender(name, options=options)
     sender.register_kv_cache(src)
     yield name, src, remote, sender
     sender.close()

@@ -5,9 +5,12 @@ until the send is over, even when the request is aborted meanwhile."""
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 import types
@@ -18,7 +21,8 @@ import torch
 
 from pdserve import kv_transfer
 from pdserve.kv_transfer import KVTransferError, ReservationTable
-from pdserve.messages import KVCommit, NodeInfo
+from pdserve.kv_transfer.messages import KVCommit
+from pdserve.messages import NodeInfo
 
 nixl_only = pytest.mark.skipif("nixl" not in kv_transfer.available_transports(), reason="nixl not installed")
 
@@ -40,16 +44,16 @@ def cache(shape: tuple, num_blocks: int, fill: bool) -> torch.Tensor:
 class Pair:
     """A nixl receiver (decode) and sender (prefill) in this process, each with its own cache."""
 
-    def __init__(self, shape: tuple, src_blocks: int, dst_blocks: int) -> None:
+    def __init__(self, shape: tuple, src_blocks: int, dst_blocks: int, options: tuple = ()) -> None:
         self.shape = shape
         self.src = cache(shape, src_blocks, fill=True)
         self.dst = cache(shape, dst_blocks, fill=False)
         self.table = ReservationTable(shape[0])
         self.commits: list[str] = []
-        self.receiver = kv_transfer.create_receiver("nixl")
+        self.receiver = kv_transfer.create_receiver("nixl", options=options)
         self.receiver.register_kv_cache(self.dst)
         self.address = self.receiver.start(info("decode", shape), self.table, self._commit)
-        self.sender = kv_transfer.create_sender("nixl")
+        self.sender = kv_transfer.create_sender("nixl", options=options)
         self.sender.register_kv_cache(self.src)
 
     def _commit(self, commit: KVCommit) -> None:
@@ -88,17 +92,30 @@ def test_non_contiguous_ids_and_caches_of_different_sizes():
 
 
 @nixl_only
-def test_cuda_ipc_reads_are_turned_on_unless_the_operator_chose(monkeypatch):
+def test_cuda_ipc_reads_are_turned_on_unless_the_operator_chose():
     """UCX leaves CUDA IPC READs off without NVLink (one GPU, PCIe): the agents turn them on, since
-    the decode node READs, but an operator's own UCX_CUDA_IPC_ENABLE_GET_ZCOPY stands."""
-    from pdserve.kv_transfer.nixl_backend import _agent
+    the decode node READs, but an operator's own UCX_CUDA_IPC_ENABLE_GET_ZCOPY stands. The choice
+    is made in ``pdserve.envs`` (``ucx_environment``) and written once per process, before its
+    first agent (``set_up_ucx``): each case runs in a fresh process."""
+    from pdserve import envs
 
-    monkeypatch.delenv("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", raising=False)
-    _agent("test", "", "")
-    assert os.environ["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] == "on"
-    monkeypatch.setenv("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "off")
-    _agent("test", "", "")
-    assert os.environ["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] == "off"
+    assert envs.ucx_environment(environ={})["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] == "on"
+    chosen = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "off"}
+    assert "UCX_CUDA_IPC_ENABLE_GET_ZCOPY" not in envs.ucx_environment(environ=chosen)
+    code = (
+        "import os\n"
+        "from pdserve.kv_transfer.nixl_backend import NixlOptions, _agent\n"
+        "_agent('test', NixlOptions())\n"
+        "print(os.environ['UCX_CUDA_IPC_ENABLE_GET_ZCOPY'])\n"
+    )
+    for operator, expected in ((None, "on"), ("off", "off")):
+        env = {k: v for k, v in os.environ.items() if k != "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"}
+        if operator is not None:
+            env["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] = operator
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=True
+        )
+        assert out.stdout.split()[-1] == expected, out.stderr[-2000:]
 
 
 @nixl_only
@@ -130,15 +147,13 @@ def _pinned(table: ReservationTable, rid: str) -> bool:
 
 @nixl_only
 @pytest.mark.parametrize("order", ["in place", "packed"])
-def test_release_mid_read_waits_for_it_and_the_sender_holds_its_blocks_until_then(order, monkeypatch):
+def test_release_mid_read_waits_for_it_and_the_sender_holds_its_blocks_until_then(order):
     """An abort on the decode node while its READ runs: ``release`` returns only once the READ is
     over, nothing lands after it, and the sender's future resolves only after the READ ended (the
     prefill node frees its source blocks then). Blocks in order are READ in place; shuffled ones
     are packed into staging slots, READ and scattered (the scatter, too, happens pinned)."""
-    from pdserve.kv_transfer import nixl_backend
-
-    monkeypatch.setattr(nixl_backend, "PACK_ON_CPU", True)  # as on CUDA
-    pair = Pair(LARGE, src_blocks=512, dst_blocks=512)
+    as_on_cuda = (kv_transfer.NixlOptions(pack_on_cpu=True),)
+    pair = Pair(LARGE, src_blocks=512, dst_blocks=512, options=as_on_cuda)
     ids = list(range(512))
     if order == "packed":
         ids = torch.randperm(512, generator=torch.Generator().manual_seed(1)).tolist()
@@ -178,26 +193,24 @@ def test_release_mid_read_waits_for_it_and_the_sender_holds_its_blocks_until_the
 
 
 @nixl_only
-def test_packed_sends_larger_than_the_staging_pools(monkeypatch):
+def test_packed_sends_larger_than_the_staging_pools():
     """Fragmented blocks are packed into staging slots; a send of more pieces than either node has
     slots takes them in turns (the sender waits for its own READs, the receiver queues READs until
     a slot is free), and sends from several threads share the slots."""
-    import nixl_backend as nb
-
-    from pdserve.kv_transfer import staging
+    from pdserve.kv_transfer import nixl_backend as nb
+    from pdserve.kv_transfer.staging import StagingOptions
 
     slab = 2 * SMALL[2] * SMALL[1] * SMALL[3] * 4
-    monkeypatch.setattr(staging, "STAGE_SLOTS", 2)
-    monkeypatch.setattr(staging, "STAGE_SLOT_BYTES", 5 * slab)  # 5 blocks of one layer
+    staging = StagingOptions(num_slots=2, slot_bytes=5 * slab)  # 5 blocks of one layer
     kv = cache(SMALL, 64, fill=False)  # 3 layers
-    monkeypatch.setattr(nb, "DESCRIPTORS_PER_PIECE", 3)
-    assert not nb.packs(kv, [4, 9, 2], [0, 1, 2], pieces=1)  # DRAM: in place
-    monkeypatch.setattr(nb, "PACK_ON_CPU", True)  # as on CUDA: packed when in place takes many descriptors
-    assert nb.packs(kv, [4, 9, 2], [0, 1, 2], pieces=1)  # 9 descriptors in place > 3 for 1 piece
-    assert not nb.packs(kv, [4, 9, 2], [0, 1, 2], pieces=5)
-    assert not nb.packs(kv, [1, 2, 3], [5, 6, 7], pieces=1)  # one run: 3 descriptors
-    monkeypatch.setattr(nb, "DESCRIPTORS_PER_PIECE", 0)  # always packed from here
-    pair = Pair(SMALL, src_blocks=64, dst_blocks=64)
+    options = nb.NixlOptions(descriptors_per_piece=3, staging=staging)
+    assert not nb.packs(kv, [4, 9, 2], [0, 1, 2], 1, options)  # DRAM: in place
+    options = dataclasses.replace(options, pack_on_cpu=True)  # as on CUDA: packed when in place takes many
+    assert nb.packs(kv, [4, 9, 2], [0, 1, 2], 1, options)  # 9 descriptors in place > 3 for 1 piece
+    assert not nb.packs(kv, [4, 9, 2], [0, 1, 2], 5, options)
+    assert not nb.packs(kv, [1, 2, 3], [5, 6, 7], 1, options)  # one run: 3 descriptors
+    options = (dataclasses.replace(options, descriptors_per_piece=0),)  # always packed from here
+    pair = Pair(SMALL, src_blocks=64, dst_blocks=64, options=options)
     try:
         gen = torch.Generator().manual_seed(0)
         jobs = []
@@ -209,7 +222,7 @@ def test_packed_sends_larger_than_the_staging_pools(monkeypatch):
         results = [None] * 4
 
         def run(k):
-            sender = kv_transfer.create_sender("nixl")  # one sender (and staging pool) per thread
+            sender = kv_transfer.create_sender("nixl", options=options)  # one sender (and pool) per thread
             sender.register_kv_cache(pair.src)
             try:
                 results[k] = sender.send(
@@ -239,16 +252,16 @@ def test_packed_sends_larger_than_the_staging_pools(monkeypatch):
 
 
 @nixl_only
-def test_packed_reads_outside_the_staging_region_are_refused(monkeypatch):
+def test_packed_reads_outside_the_staging_region_are_refused():
     """A packed KVReady may only name bytes inside the sender's registered staging region, and no
     more than one of this node's slots."""
-    from pdserve.kv_transfer import staging
-    from pdserve.kv_transfer.nixl_backend import _Remote
-    from pdserve.kv_transfer.wire import KVReady
+    from pdserve.kv_transfer.messages import KVReady
+    from pdserve.kv_transfer.nixl_backend import NixlOptions, _Remote
+    from pdserve.kv_transfer.staging import StagingOptions
 
     slab = 2 * SMALL[2] * SMALL[1] * SMALL[3] * 4
-    monkeypatch.setattr(staging, "STAGE_SLOT_BYTES", 4 * slab)
-    pair = Pair(SMALL, src_blocks=16, dst_blocks=16)
+    options = (NixlOptions(staging=StagingOptions(slot_bytes=4 * slab)),)
+    pair = Pair(SMALL, src_blocks=16, dst_blocks=16, options=options)
     try:
         plane = pair.receiver.planes["nixl"]
         assert plane.slab_bytes == slab and plane.pool.slot_bytes == 4 * slab
@@ -280,14 +293,11 @@ def _prefill_child(address: str, conn) -> None:
 
 
 @nixl_only
-def test_prefill_node_killed_mid_read(monkeypatch):
-    from pdserve.kv_transfer import nixl_backend
-
-    monkeypatch.setattr(nixl_backend, "MAX_READ_S", 3.0)
+def test_prefill_node_killed_mid_read():
     dst = cache(LARGE, 512, fill=False)
     table = ReservationTable(LARGE[0])
     commits: list[KVCommit] = []
-    receiver = kv_transfer.create_receiver("nixl")
+    receiver = kv_transfer.create_receiver("nixl", options=[kv_transfer.NixlOptions(max_read_s=3.0)])
     receiver.register_kv_cache(dst)
     address = receiver.start(info("decode", LARGE), table, commits.append)
     ctx = mp.get_context("spawn")

@@ -9,9 +9,9 @@ import msgspec
 import pytest
 import torch
 
-from pdserve.kv_transfer import KVTransferError, ReservationTable
-from pdserve.kv_transfer.zmq_backend import ZmqReceiver, ZmqSender
-from pdserve.messages import KVCommit, NodeInfo
+from pdserve.kv_transfer import KVTransferError, ReservationTable, create_receiver, create_sender
+from pdserve.kv_transfer.messages import KVCommit
+from pdserve.messages import NodeInfo
 
 L, NB, BS, H, D = 3, 12, 4, 2, 8
 
@@ -27,10 +27,10 @@ def pair():
     dst = torch.zeros(L, NB, 2, BS, H, D)
     table = ReservationTable(L)
     commits: list[KVCommit] = []
-    receiver = ZmqReceiver()
+    receiver = create_receiver("zmq")
     receiver.register_kv_cache(dst)
     address = receiver.start(info("decode-0"), table, commits.append)
-    sender = ZmqSender()
+    sender = create_sender("zmq")
     sender.register_kv_cache(src)
     yield src, dst, table, commits, sender, address
     sender.close()
@@ -82,7 +82,7 @@ def test_dead_peer_times_out():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    sender = ZmqSender()
+    sender = create_sender("zmq")
     sender.register_kv_cache(torch.zeros(L, NB, 2, BS, H, D))
     start = time.monotonic()
     with pytest.raises(KVTransferError, match="no reply"):

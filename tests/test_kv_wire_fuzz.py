@@ -21,20 +21,25 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pdserve.kv_transfer import ReservationTable
-from pdserve.kv_transfer.wire import KVReadDone, KVReady, KVSend, KVSetup, KVSetupReply
-from pdserve.kv_transfer.zmq_backend import _REPLIES, _REQUESTS, MAX_FRAME_BYTES, ZmqReceiver, ZmqSender
-from pdserve.messages import (
+from pdserve.kv_transfer import ReservationTable, create_receiver, create_sender
+from pdserve.kv_transfer.control import MAX_MESSAGE_BYTES
+from pdserve.kv_transfer.messages import (
+    REPLIES,
+    REQUESTS,
     KVAck,
     KVBlocks,
     KVCommit,
     KVHandshake,
     KVHandshakeReply,
+    KVReadDone,
+    KVReady,
     KVRenew,
-    NodeInfo,
-    decode,
-    encode,
+    KVSend,
+    KVSetup,
+    KVSetupReply,
+    NixlOffer,
 )
+from pdserve.messages import NodeInfo, decode, encode
 
 L, NB, BS, H, D = 3, 12, 4, 2, 8
 SLAB = 2 * BS * H * D * 4  # bytes of one (layer, block), float32
@@ -108,7 +113,7 @@ def messages(draw) -> list[bytes]:
         return [encode(KVHandshake(peer, token))]
     if kind == 1:
         transports = draw(st.lists(st.sampled_from(["zmq", "nixl", "nccl", "bogus"]), max_size=3))
-        return [encode(KVSetup("s", transports, nixl_cache=(1, L, NB, SLAB, 0)))]
+        return [encode(KVSetup("s", transports, [NixlOffer(cache=(1, L, NB, SLAB, 0))]))]
     if kind in (2, 3, 4):
         return draw(kv_blocks())
     if kind == 5:
@@ -204,7 +209,7 @@ decoder_inputs = (
 @given(decoder_inputs)
 def test_decoders_raise_only_decode_errors(data):
     _count("decoder cases")
-    for kind in (_REQUESTS, _REPLIES, KVReadDone, KVBlocks):
+    for kind in (REQUESTS, REPLIES, KVReadDone, KVBlocks):
         try:
             msg = decode(data, kind)
         except msgspec.DecodeError:  # ValidationError is one
@@ -222,7 +227,7 @@ class Live:
         self.kv = torch.zeros(L, NB, 2, BS, H, D)
         self.table = ReservationTable(L)
         self.commits: list[KVCommit] = []
-        self.receiver = ZmqReceiver(cluster_token=TOKEN)
+        self.receiver = create_receiver("zmq", cluster_token=TOKEN)
         self.receiver.register_kv_cache(self.kv)
         self.address = self.receiver.start(info(), self.table, self.commits.append)
         for rid, ids in RESERVED.items():
@@ -255,7 +260,7 @@ class Live:
         rid = f"ping-{self.pings}"
         sock.send(encode(KVCommit(rid, 0)))
         while True:
-            reply = decode(self._recv(sock), _REPLIES)
+            reply = decode(self._recv(sock), REPLIES)
             if isinstance(reply, KVAck) and reply.request_id == rid:
                 assert not reply.ok
                 return
@@ -310,7 +315,7 @@ def test_oversized_message_drops_only_that_connection(live):
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(live.address)
     try:
-        sock.send_multipart([encode(KVCommit("huge", 0)), bytes(MAX_FRAME_BYTES + (2 << 20))])
+        sock.send_multipart([encode(KVCommit("huge", 0)), bytes(MAX_MESSAGE_BYTES + (2 << 20))])
         time.sleep(0.5)
     finally:
         sock.close(linger=0)
@@ -346,7 +351,7 @@ def test_routing_id_reused_by_another_connection_inherits_nothing(live):
 def test_legitimate_transfer_after_fuzzing(live, capsys):
     """Runs after the fuzz tests (file order): the receiver still moves KV, and reports the count."""
     src = torch.randn(L, NB, 2, BS, H, D)
-    sender = ZmqSender(TOKEN)
+    sender = create_sender("zmq", cluster_token=TOKEN)
     sender.register_kv_cache(src)
     try:
         live.table.add("legit", [0, 9, 11], time.time() + 30)

@@ -28,6 +28,7 @@ processes. It measures what the protocol costs on a GPU host's CPU, not a link.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import multiprocessing as mp
@@ -101,14 +102,14 @@ def _nixl_run(agent, op: str, local, remote, remote_name: str) -> str:
 # -- receiver process ------------------------------------------------------------------------------
 
 
-def _set_staging(slots: tuple[int, int]) -> None:
-    """Staging slots (number, bytes) for the pools created from here on (0: the default)."""
-    from pdserve.kv_transfer import staging
+def _nixl_options(slots: tuple[int, int], max_desc_bytes: int = 0):
+    """nixl's options with staging slots (number, bytes; 0: the default) and READ descriptors of at
+    most ``max_desc_bytes`` (0: one per contiguous run)."""
+    from pdserve.kv_transfer import NixlOptions, StagingOptions
 
-    if slots[0]:
-        staging.STAGE_SLOTS = slots[0]
-    if slots[1]:
-        staging.STAGE_SLOT_BYTES = slots[1]
+    default = StagingOptions()
+    staging = StagingOptions(slots[0] or default.num_slots, slots[1] or default.slot_bytes)
+    return NixlOptions(max_desc_bytes=max_desc_bytes, staging=staging)
 
 
 def _receiver(
@@ -124,17 +125,13 @@ def _receiver(
     from pdserve import kv_transfer
     from pdserve.kv_transfer import ReservationTable
 
-    if max_desc_bytes and "nixl" in transports:
-        from pdserve.kv_transfer import nixl_backend
-
-        nixl_backend.MAX_DESC_BYTES = max_desc_bytes  # the decode side builds the READs
-    _set_staging(slots)
     torch.set_num_threads(1)
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
     kv = _cache(shape, num_blocks, device, fill=False)
     table = ReservationTable(shape[0])
-    receiver = kv_transfer.create_receiver(transports)
+    # The decode side builds the READs: it takes the descriptor limit.
+    receiver = kv_transfer.create_receiver(transports, options=[_nixl_options(slots, max_desc_bytes)])
     receiver.register_kv_cache(kv)
     address = receiver.start(_info("bench-decode", shape), table, lambda commit: None)
     raw = socket.socket()
@@ -218,7 +215,7 @@ def _median(times: list[float]) -> float:
 
 
 def _time_transport(remote, sender, address, shape, n: int, repeats: int, tag: str, src_ids=None) -> float:
-    from pdserve.messages import KVCommit
+    from pdserve.kv_transfer.messages import KVCommit
 
     src_ids = range(n) if src_ids is None else src_ids
     times = []
@@ -237,7 +234,7 @@ def _time_transport(remote, sender, address, shape, n: int, repeats: int, tag: s
 
 def run(args: argparse.Namespace) -> dict:
     from pdserve import kv_transfer
-    from pdserve.kv_transfer import nccl_backend, nixl_backend, staging
+    from pdserve.kv_transfer import NcclOptions, NixlOptions
 
     cuda = args.device == "cuda"
     load_average = os.getloadavg()[0]  # other work on the machine moves CPU figures
@@ -261,7 +258,7 @@ def run(args: argparse.Namespace) -> dict:
     accepted = ",".join(dict.fromkeys([*transports, "zmq"]))
     max_desc_bytes = int(args.nixl_max_desc_mib * (1 << 20))
     slots = (args.stage_slots, args.stage_slot_mib << 20)
-    _set_staging(slots)
+    nixl_options = _nixl_options(slots)
     remote = _Remote(ctx, (shape, max_blocks, recv_dev, accepted, max_bytes, max_desc_bytes, slots))
     if not remote.conn.poll(300):
         raise RuntimeError("the receiver did not start")
@@ -272,11 +269,23 @@ def run(args: argparse.Namespace) -> dict:
         torch.cuda.set_device(send_dev)
     src = _cache(shape, max_blocks, send_dev, fill=True)
     flat = src.view(-1).view(torch.uint8)
-    senders = {}
-    for name in transports:
-        senders[name] = kv_transfer.create_sender(name)
-        senders[name].register_kv_cache(src)
-        senders[name].handshake(address, _info("bench-prefill", shape), 60)
+
+    def connected(name: str, options):
+        sender = kv_transfer.create_sender(name, options=[options])
+        sender.register_kv_cache(src)
+        sender.handshake(address, _info("bench-prefill", shape), 60)
+        return sender
+
+    senders = {name: connected(name, nixl_options) for name in transports}
+    # nccl's and nixl's two ways, each forced whatever the sender would pick (CUDA): a sender each.
+    forced = {}
+    if "nccl" in senders and cuda:
+        for mode, threshold in (("direct", 0), ("staged", 1 << 62)):
+            forced[f"nccl-{mode}"] = connected("nccl", NcclOptions(direct_min_run_bytes=threshold))
+    if "nixl" in senders and cuda:
+        for mode, threshold in (("inplace", 1 << 62), ("packed", 0)):
+            options = dataclasses.replace(nixl_options, descriptors_per_piece=threshold)
+            forced[f"nixl-{mode}"] = connected("nixl", options)
 
     nixl_anchor = "nixl" in anchors and "nixl" in kv_transfer.available_transports()
     if "nccl" in anchors:
@@ -308,23 +317,17 @@ def run(args: argparse.Namespace) -> dict:
             shuffled = torch.randperm(n, generator=torch.Generator().manual_seed(n)).tolist()
             seconds = _time_transport(remote, sender, address, shape, n, repeats, name + "-s", shuffled)
             row[f"pdserve_{name}_shuffled_gb_s"] = nbytes / seconds / 1e9
-        if "nccl" in senders and cuda:  # both of nccl's ways, whichever it would pick
-            picked = nccl_backend.DIRECT_MIN_RUN_BYTES
-            for mode, threshold in (("direct", 0), ("staged", 1 << 62)):
-                nccl_backend.DIRECT_MIN_RUN_BYTES = threshold
-                seconds = _time_transport(remote, senders["nccl"], address, shape, n, repeats, mode)
+        for mode in ("direct", "staged"):  # both of nccl's ways
+            if f"nccl-{mode}" in forced:
+                seconds = _time_transport(remote, forced[f"nccl-{mode}"], address, shape, n, repeats, mode)
                 row[f"pdserve_nccl_{mode}_gb_s"] = nbytes / seconds / 1e9
-            nccl_backend.DIRECT_MIN_RUN_BYTES = picked
-        if "nixl" in senders and cuda:  # both of nixl's ways, in order and shuffled
-            picked = nixl_backend.DESCRIPTORS_PER_PIECE
-            shuffled = torch.randperm(n, generator=torch.Generator().manual_seed(n)).tolist()
-            for mode, threshold in (("inplace", 1 << 62), ("packed", 0)):
-                nixl_backend.DESCRIPTORS_PER_PIECE = threshold
-                for suffix, ids in (("", None), ("_shuffled", shuffled)):
-                    tag = f"nixl-{mode}{suffix}"
-                    seconds = _time_transport(remote, senders["nixl"], address, shape, n, repeats, tag, ids)
-                    row[f"pdserve_nixl_{mode}{suffix}_gb_s"] = nbytes / seconds / 1e9
-            nixl_backend.DESCRIPTORS_PER_PIECE = picked
+        shuffled = torch.randperm(n, generator=torch.Generator().manual_seed(n)).tolist()
+        for mode in ("inplace", "packed"):  # both of nixl's ways, in order and shuffled
+            sender = forced.get(f"nixl-{mode}")
+            for suffix, ids in (("", None), ("_shuffled", shuffled)) if sender is not None else ():
+                tag = f"nixl-{mode}{suffix}"
+                seconds = _time_transport(remote, sender, address, shape, n, repeats, tag, ids)
+                row[f"pdserve_nixl_{mode}{suffix}_gb_s"] = nbytes / seconds / 1e9
         if "nccl" in anchors:
             import torch.distributed as dist
 
@@ -391,7 +394,7 @@ def run(args: argparse.Namespace) -> dict:
 
     remote.conn.send(None)
     remote.proc.join(timeout=30)
-    for sender in senders.values():
+    for sender in [*senders.values(), *forced.values()]:
         sender.close()
     if "nccl" in anchors:
         import torch.distributed as dist
@@ -444,7 +447,7 @@ def run(args: argparse.Namespace) -> dict:
         "side's ack after every block landed in its reserved slots, through transport t, blocks 0..n-1 "
         "into reserved blocks 0..n-1 (runs consecutive in both caches); pdserve_<t>_shuffled: the "
         "source blocks in a shuffled order (no two consecutive); pdserve_nccl_direct / _staged: nccl "
-        "forced to one of its two ways (pdserve_nccl: the one it picks, DIRECT_MIN_RUN_BYTES); "
+        "forced to one of its two ways (pdserve_nccl: the one it picks, NcclOptions.direct_min_run_bytes); "
         "raw_nccl (raw_gloo on the CPU): dist.send of one contiguous tensor until the receiver synced "
         "its recv; "
         "raw_nixl_read: one NIXL READ of one contiguous registered region, started by the receiver "
@@ -452,13 +455,13 @@ def run(args: argparse.Namespace) -> dict:
         "then a ping to the receiver; raw_copy (--same-gpu): one device copy of the bytes; "
         "pdserve_nixl_inplace / _packed: nixl forced to READ the blocks in place (one descriptor per run "
         "and layer) or to pack them into staging slots (gather, one READ a slot, scatter); pdserve_nixl: the "
-        "way it picks (DESCRIPTORS_PER_PIECE); "
+        "way it picks (NixlOptions.descriptors_per_piece); "
         "raw_tcp: one socket, sendall into recv_into. GB/s = bytes / median time.",
         "repeats": repeats,
         "nixl_max_desc_bytes": max_desc_bytes,
-        "nccl_direct_min_run_bytes": nccl_backend.DIRECT_MIN_RUN_BYTES,
-        "nixl_descriptors_per_piece": nixl_backend.DESCRIPTORS_PER_PIECE,
-        "staging_slots": [staging.STAGE_SLOTS, staging.STAGE_SLOT_BYTES],
+        "nccl_direct_min_run_bytes": NcclOptions().direct_min_run_bytes,
+        "nixl_descriptors_per_piece": NixlOptions().descriptors_per_piece,
+        "staging_slots": [nixl_options.staging.num_slots, nixl_options.staging.slot_bytes],
         "results": rows,
     }
     out = args.output or (
@@ -487,9 +490,11 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
         default=0,
         help="cut nixl READ descriptors to at most this size (default 0: one per contiguous run)",
     )
-    p.add_argument("--stage-slots", type=int, default=0, help="staging slots a node (default: STAGE_SLOTS)")
     p.add_argument(
-        "--stage-slot-mib", type=int, default=0, help="MiB a staging slot (default: STAGE_SLOT_BYTES)"
+        "--stage-slots", type=int, default=0, help="staging slots a node (default: StagingOptions)"
+    )
+    p.add_argument(
+        "--stage-slot-mib", type=int, default=0, help="MiB a staging slot (default: StagingOptions)"
     )
     p.add_argument(
         "--same-gpu",

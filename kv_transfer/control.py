@@ -1,0 +1,625 @@
+"""The control host: the connection every KV transport speaks, over ZeroMQ, whatever plane moves
+the blocks.
+
+Wire protocol (DEALER on the prefill node -> ROUTER on the decode node, one DEALER per
+peer, multipart messages whose first frame is a msgpack message of ``kv_transfer.messages``):
+
+1. ``[KVHandshake]`` -> ``[KVHandshakeReply]``: first, once per connection (cluster token,
+   model, dtype, block size, layout, shapes). The receiver ignores anything else from a
+   connection that has not passed it. Resent every second until answered, so a sender may
+   start before the receiver listens.
+2. ``[KVSetup]`` -> ``[KVSetupReply]``: the sender offers its transports in order of
+   preference; the receiver picks the first one it accepts too, or refuses. The chosen plane
+   (``kv_transfer.plane``) answers with its own struct and moves the blocks: zmq in frames on
+   this connection (``zmq_backend``), nixl and nccl (``nixl_backend``, ``nccl_backend``) on
+   their own data plane, using this connection for control only.
+3. Data messages of the chosen plane, handed to it (``ReceiverPlane.handle``).
+4. ``[KVRenew]``: extend leases, no reply.
+5. ``[KVCommit]`` -> ``[KVAck]``: the ack says whether every layer of every block landed
+   inside a live reservation.
+
+Validation on the receiver (a hostile or broken peer can neither crash the node nor write
+outside a reservation): the cluster token is compared in constant time; what a connection
+passed (handshake, set-up) is state of that TCP connection, dropped when it closes, so a
+routing id reused by another connection inherits nothing; after the handshake every message
+must decode as a known type with the right number of frames and belong to the plane its
+connection set up, which validates it further (layer ranges inside the model, distinct block
+ids, byte lengths exactly what the header and the agreed shape imply, blocks all reserved for
+its request: ``ReservationTable``). A refused message logs a warning (rate-limited) and fails
+only the request it names; nothing a peer sends raises out of the receiver thread.
+"""
+
+from __future__ import annotations
+
+import collections
+import hmac
+import itertools
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import torch
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from pdserve.kv_transfer.base import (
+    KVReceiver,
+    KVRefused,
+    KVSender,
+    KVTransferError,
+    ReservationTable,
+    Staged,
+    check_compatible,
+    copy_to_cpu,
+)
+from pdserve.kv_transfer.messages import (
+    REPLIES,
+    REQUESTS,
+    KVAck,
+    KVCommit,
+    KVHandshake,
+    KVHandshakeReply,
+    KVMessage,
+    KVRenew,
+    KVSetup,
+    KVSetupReply,
+)
+from pdserve.kv_transfer.plane import ControlLink, Outbox, ReceiverPlane, SenderPlane, SenderSession
+from pdserve.messages import NodeInfo, decode, encode
+
+logger = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 16 << 20
+"""The largest message (with its payload frames) a receiver takes, more where a plane's are larger
+(``ReceiverPlane.max_message_bytes``), plus 1 MiB of headers."""
+RECEIVE_HWM = 16
+"""Messages a receiver queues per connection before TCP pushes back: bounds what one peer, even
+one that never passes the handshake, can make the node hold (RECEIVE_HWM * the largest message)."""
+HANDSHAKE_RESEND_S = 1.0
+REFUSED_DRAIN_S = 1.0
+"""After a refused commit, how long the sender waits for its data to finish leaving before it
+takes the connection for broken (the peer drains data before it answers the commit)."""
+
+_instances = itertools.count()
+
+
+def tokens_match(given: str, expected: str) -> bool:
+    """The cluster token check, in constant time; any token passes when none is configured."""
+    return not expected or hmac.compare_digest(given.encode(), expected.encode())
+
+
+class WarnLimiter:
+    """Refusals log a warning each, but a flood of them at most ``burst`` per ``window_s`` (then
+    one line with how many were left out), so a hostile peer cannot fill the disk with logs."""
+
+    def __init__(self, burst: int = 20, window_s: float = 10.0) -> None:
+        self.burst = burst
+        self.window_s = window_s
+        self._start = 0.0
+        self._count = 0
+        self._lock = threading.Lock()
+
+    def warning(self, fmt: str, *args) -> None:
+        with self._lock:
+            now = time.monotonic()
+            if now - self._start > self.window_s:
+                if self._count > self.burst:
+                    logger.warning("%d more KV refusals not logged", self._count - self.burst)
+                self._start, self._count = now, 0
+            self._count += 1
+            if self._count > self.burst:
+                return
+        logger.warning(fmt, *args)
+
+
+def _short(request_id: str) -> str:
+    return repr(request_id if len(request_id) <= 64 else request_id[:64] + "...")
+
+
+@dataclass
+class _Conn:
+    """A sender connection that passed the handshake: state of that TCP connection (``fd``), so
+    a ROUTER routing id reused by a later connection inherits nothing."""
+
+    fd: int
+    transport: str = ""  # agreed at set-up; "" before
+
+
+class _Outbox(Outbox):
+    """Lets data planes reply on the control connection: the receiver's control thread alone owns
+    the ROUTER socket and sends what it is given here; other threads' replies reach it through an
+    inproc socket it forwards from."""
+
+    def __init__(self, ctx: zmq.Context, address: str) -> None:
+        self._sock = ctx.socket(zmq.PUSH)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(address)
+        self._lock = threading.Lock()
+        self._router = None
+        self._owner = 0
+
+    def own(self, router) -> None:
+        """Called by the control thread: its own replies go straight out on ``router``."""
+        self._router, self._owner = router, threading.get_ident()
+
+    def put(self, peer: bytes, msg: KVMessage) -> None:
+        if self._router is not None and threading.get_ident() == self._owner:
+            self._router.send_multipart([peer, encode(msg)])
+            return
+        with self._lock:
+            self._sock.send_multipart([peer, encode(msg)])
+
+    def close(self) -> None:
+        with self._lock:
+            self._router = None
+            self._sock.close(linger=0)
+
+
+class ControlReceiver(KVReceiver):
+    """Decode side: serves the control protocol; the blocks move on ``planes``, which also list
+    the transports this node accepts, preferred first."""
+
+    def __init__(
+        self,
+        planes: Sequence[ReceiverPlane],
+        host: str = "127.0.0.1",
+        port: int = 0,
+        cluster_token: str = "",
+    ) -> None:
+        assert planes, "a receiver needs at least one plane"
+        self.host = host
+        self.port = port
+        self.cluster_token = cluster_token
+        self.planes = {p.name: p for p in planes}
+        self.transports = tuple(self.planes)
+        self.name = self.transports[0]
+        self.kv: torch.Tensor | None = None
+        self._ctx = zmq.Context.instance()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._conns: dict[bytes, _Conn] = {}  # routing id -> connection that passed the handshake
+        self._warn = WarnLimiter()
+        self.num_refused = 0  # messages refused (tests and logs)
+
+    @property
+    def bytes_received(self) -> int:
+        return sum(p.bytes_received for p in self.planes.values())
+
+    def register_kv_cache(self, kv_cache: torch.Tensor) -> None:
+        assert kv_cache.dim() == 6 and kv_cache.is_contiguous(), "kv_cache must be [L, NB, 2, BS, Hkv, D]"
+        self.kv = kv_cache
+
+    def start(self, info: NodeInfo, table: ReservationTable, on_commit: Callable[[KVCommit], None]) -> str:
+        assert self.kv is not None, "register_kv_cache first"
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        largest = max(MAX_MESSAGE_BYTES, *(p.max_message_bytes for p in self.planes.values()))
+        sock.setsockopt(zmq.MAXMSGSIZE, largest + (1 << 20))
+        sock.setsockopt(zmq.RCVHWM, RECEIVE_HWM)
+        if self.port:
+            sock.bind(f"tcp://{self.host}:{self.port}")
+            port = self.port
+        else:
+            port = sock.bind_to_random_port(f"tcp://{self.host}")
+        address = f"tcp://{self.host}:{port}"
+        pull = self._ctx.socket(zmq.PULL)
+        pull.setsockopt(zmq.LINGER, 0)
+        outbox_address = f"inproc://pdserve-kv-outbox-{next(_instances)}"
+        pull.bind(outbox_address)
+        self._outbox = _Outbox(self._ctx, outbox_address)
+        for plane in self.planes.values():
+            plane.start(self.kv, table, self._outbox, on_commit, self.host)
+        self._thread = threading.Thread(
+            target=self._serve, args=(sock, pull, info, table, on_commit), name="kv-receiver", daemon=True
+        )
+        self._thread.start()
+        return address
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        for plane in self.planes.values():
+            plane.close()
+
+    # -- receiver thread -----------------------------------------------------------------------
+
+    def _serve(self, sock, pull, info: NodeInfo, table: ReservationTable, on_commit) -> None:
+        # Connections accepted and closed: per-connection state must not outlive its connection.
+        monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        self._outbox.own(sock)
+        if self.kv.is_cuda:  # planes work on the cache from this thread (NIXL asks about pointers)
+            torch.cuda.set_device(self.kv.device)
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(pull, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                try:
+                    self._serve_once(poller, sock, pull, monitor, info, table, on_commit)
+                except zmq.ContextTerminated:
+                    return
+                except Exception:  # nothing a peer sends may stop this thread
+                    logger.exception("KV receiver: unexpected error (still serving)")
+        finally:
+            self._outbox.close()
+            sock.disable_monitor()
+            monitor.close(linger=0)
+            pull.close(linger=0)
+            sock.close(linger=0)
+
+    def _serve_once(self, poller, sock, pull, monitor, info, table, on_commit) -> None:
+        busy = False
+        for plane in self.planes.values():
+            busy |= plane.poll()
+        if busy:
+            # Turn again at once, but yield the GIL first: a spin on poll(0) alone would take it
+            # back before the engine thread gets a turn (measured: 4x slower small Python work).
+            time.sleep(0)
+        events = dict(poller.poll(0 if busy else 100))
+        if pull in events:
+            while True:
+                try:
+                    sock.send_multipart(pull.recv_multipart(zmq.NOBLOCK))
+                except zmq.Again:
+                    break
+        if sock not in events:
+            return
+        # Read connection events first: a connection's ACCEPTED event is queued before any message
+        # of it can arrive, so a reused routing id is never taken for the connection it replaced.
+        self._drain_monitor(monitor)
+        frames = sock.recv_multipart(copy=False)
+        peer = frames[0].bytes
+        try:
+            reply = self._handle(peer, frames[1:], info, table, on_commit)
+        except Exception as e:  # a bad frame must never take the node down
+            self._refused("dropping a malformed KV message: %s", e)
+            reply = None
+        if reply is not None:
+            sock.send_multipart([frames[0], encode(reply)])
+
+    def _drain_monitor(self, monitor) -> None:
+        while True:
+            try:
+                raw = monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                fd = parse_monitor_message(raw)["value"]  # ACCEPTED / DISCONNECTED: the socket's fd
+            except Exception:
+                continue
+            for peer in [p for p, c in self._conns.items() if c.fd == fd]:
+                self._forget(peer)
+
+    def _forget(self, peer: bytes) -> None:
+        conn = self._conns.pop(peer, None)
+        plane = self.planes.get(conn.transport) if conn is not None else None
+        if plane is not None:
+            plane.drop(peer)
+
+    def _refused(self, fmt: str, *args) -> None:
+        self.num_refused += 1
+        self._warn.warning(fmt, *args)
+
+    def _refuse(self, msg: KVMessage, why: str, table: ReservationTable) -> KVMessage | None:
+        """An authenticated message that cannot be acted on: fail the request it names (only that
+        one), log, and answer what its sender waits for."""
+        rid = getattr(msg, "request_id", "")
+        self._refused("refusing %s for %s: %s", type(msg).__name__, _short(rid), why)
+        if isinstance(rid, str) and rid:
+            table.fail(rid, why)
+        return msg.refused(why)
+
+    def _handle(self, peer: bytes, frames, info: NodeInfo, table: ReservationTable, on_commit):
+        if not frames:
+            raise ValueError("no frames")
+        fd = frames[0].get(zmq.SRCFD)
+        conn = self._conns.get(peer)
+        if conn is not None and conn.fd != fd:  # the routing id came back on another connection
+            self._forget(peer)
+            conn = None
+        msg = decode(frames[0].buffer, REQUESTS)
+        if isinstance(msg, KVHandshake):
+            self._forget(peer)  # a handshake starts the connection's state afresh
+            if len(frames) != 1:
+                self._refused("refusing a KV handshake of %d frames", len(frames))
+                return KVHandshakeReply(ok=False, error="malformed handshake")
+            if not tokens_match(msg.cluster_token, self.cluster_token):
+                self._refused("refusing KV peer %s: wrong cluster token", _short(msg.info.node_id))
+                return KVHandshakeReply(ok=False, error="wrong cluster token")
+            mismatches = check_compatible(info, msg.info)
+            if mismatches:
+                error = "incompatible peers: " + "; ".join(mismatches)
+                logger.error("refusing KV peer %s: %s", msg.info.node_id, error)
+                return KVHandshakeReply(ok=False, error=error, info=info)
+            self._conns[peer] = _Conn(fd)
+            return KVHandshakeReply(ok=True, info=info)
+        if conn is None:
+            self._refused("ignoring %s from a KV peer that did not pass the handshake", type(msg).__name__)
+            return msg.refused("handshake first") if isinstance(msg, KVCommit | KVSetup) else None
+        num_frames = 1 + msg.payload_frames
+        if len(frames) != num_frames:
+            return self._refuse(msg, f"{len(frames)} frames where {num_frames} belong", table)
+        if isinstance(msg, KVSetup):
+            return self._setup(peer, conn, msg)
+        if isinstance(msg, KVRenew):
+            table.renew(msg.request_ids)
+            return None
+        transport = conn.transport
+        plane = self.planes.get(transport)
+        if isinstance(msg, KVCommit):
+            if plane is not None and plane.handles_commit:
+                plane.handle(peer, msg, ())  # queued behind the data it must follow; acked by the plane
+                return None
+            error = table.commit(msg.request_id)
+            if not error:
+                on_commit(msg)
+            return KVAck(request_id=msg.request_id, ok=not error, error=error)
+        if plane is None or not isinstance(msg, plane.messages):
+            why = f"{type(msg).__name__} on a connection set up for {transport or 'nothing'}"
+            return self._refuse(msg, why, table)
+        error = plane.handle(peer, msg, frames[1:])
+        return self._refuse(msg, error, table) if error else None
+
+    def _setup(self, peer: bytes, conn: _Conn, msg: KVSetup) -> KVSetupReply:
+        chosen = next((t for t in msg.transports if t in self.transports), None)
+        if chosen is None:
+            return KVSetupReply(
+                ok=False,
+                error=f"no common KV transport: the sender offers {', '.join(msg.transports)}; "
+                f"this node accepts {', '.join(self.transports)}",
+            )
+        previous = self.planes.get(conn.transport)
+        conn.transport = ""
+        if previous is not None:
+            previous.drop(peer)
+        try:
+            reply = self.planes[chosen].setup(peer, msg)
+        except Exception as e:
+            logger.exception("setting up %s for a KV peer failed", chosen)
+            reply = KVSetupReply(ok=False, error=f"{chosen} set-up failed on the decode node: {e}")
+        if reply.ok:
+            conn.transport = chosen
+        return reply
+
+
+@dataclass
+class _Job:
+    info: NodeInfo
+    request_id: str  # or, for a lease renewal, "" with ``renew`` set
+    staged: Staged | None  # None for a bare handshake or a renewal
+    dst_block_ids: list[int]
+    commit: KVCommit | None  # None: more blocks follow later
+    timeout: float
+    future: Future
+    renew: KVRenew | None = None
+
+
+class _Peer(ControlLink):
+    """One decode node: a DEALER socket owned by one thread that runs jobs in order."""
+
+    FAILED_MEMORY = 4096
+    """Request ids whose KV failed part-way, remembered so that their commit is refused here."""
+
+    def __init__(self, sender: ControlSender, address: str) -> None:
+        self.sender = sender
+        self.address = address
+        self.jobs: queue.Queue[_Job | None] = queue.Queue()
+        self.sock = None
+        self.peer_info: NodeInfo | None = None
+        self.transport = ""  # agreed at set-up; "" before
+        self.session: SenderSession | None = None  # the chosen plane's connection
+        self.refused = ""  # permanent handshake refusal
+        self.failed: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._waiting_for = ""
+        self.thread = threading.Thread(target=self._run, name=f"kv-sender {address}", daemon=True)
+        self.thread.start()
+
+    def _connect(self) -> None:
+        self._close_socket()
+        sock = self.sender._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 64)
+        sock.connect(self.address)
+        self.sock = sock
+
+    def _close_socket(self) -> None:
+        """Forget the connection and its data-plane session: the next job starts afresh."""
+        if self.session is not None:
+            try:
+                self.session.close()
+            except Exception:
+                logger.exception("closing the %s session to %s failed", self.transport, self.address)
+            self.session = None
+        self.peer_info = None
+        self.transport = ""
+        if self.sock is not None:
+            self.sock.close(linger=0)
+            self.sock = None
+
+    def _run(self) -> None:
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                self._close_socket()
+                return
+            try:
+                job.future.set_result(self._do(job))
+            except Exception as e:
+                # The request is never committed from here on (its source blocks may be reused).
+                if job.request_id:
+                    self.failed[job.request_id] = None
+                    while len(self.failed) > self.FAILED_MEMORY:
+                        self.failed.popitem(last=False)
+                # A refusal leaves the connection as it was (a new NCCL communicator costs a second
+                # on GPUs); a timeout or broken peer leaves it in an unknown state: start afresh.
+                if not isinstance(e, KVRefused):
+                    self._close_socket()
+                job.future.set_exception(e if isinstance(e, KVTransferError) else KVTransferError(str(e)))
+
+    def recv(self, deadline: float, kind, resend: list | None = None, idle: Callable[[], None] | None = None):
+        """The next reply of type ``kind`` (for KVAck: of the request awaited); stale replies are
+        skipped. ``resend`` goes out again every HANDSHAKE_RESEND_S without an answer; ``idle`` (a
+        data plane's progress call) runs every millisecond without one."""
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise KVTransferError(f"no reply from KV peer {self.address} in time")
+            wait = min(left, HANDSHAKE_RESEND_S) if resend else left
+            if not self.sock.poll(1 if idle is not None else int(wait * 1000) + 1):
+                if idle is not None:
+                    idle()
+                if resend and time.monotonic() < deadline:
+                    self.send(resend, deadline)
+                continue
+            msg = decode(self.sock.recv(), REPLIES)
+            if isinstance(msg, kind) and (not isinstance(msg, KVAck) or msg.request_id == self._waiting_for):
+                return msg
+
+    def send(self, frames: list, deadline: float) -> None:
+        while True:
+            try:
+                self.sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                return
+            except zmq.Again:
+                if time.monotonic() > deadline:
+                    raise KVTransferError(f"KV peer {self.address} is not accepting data") from None
+                time.sleep(0.001)
+
+    def _open(self, info: NodeInfo, deadline: float) -> None:
+        """Handshake, then agree on a transport and connect its data plane."""
+        hello = [encode(KVHandshake(info=info, cluster_token=self.sender.cluster_token))]
+        self.send(hello, deadline)
+        reply = self.recv(deadline, KVHandshakeReply, resend=hello)
+        if not reply.ok:
+            self.refused = f"KV peer {self.address} refused the handshake: {reply.error}"
+            raise KVTransferError(self.refused)
+        offers = [o for o in (plane.offer() for plane in self.sender.planes.values()) if o is not None]
+        setup = KVSetup(session=uuid.uuid4().hex, transports=list(self.sender.transports), offers=offers)
+        self.send([encode(setup)], deadline)
+        chosen = self.recv(deadline, KVSetupReply)
+        if not chosen.ok:
+            self.refused = f"KV peer {self.address} refused the transport set-up: {chosen.error}"
+            raise KVTransferError(self.refused)
+        plane = self.sender.planes.get(chosen.transport)
+        if plane is None:
+            raise KVTransferError(f"KV peer {self.address} chose {chosen.transport!r}, which was not offered")
+        self.session = plane.connect(self, setup, chosen, deadline)
+        self.transport = chosen.transport
+        self.peer_info = reply.info
+
+    def _do(self, job: _Job):
+        if self.refused:
+            raise KVTransferError(self.refused)
+        deadline = time.monotonic() + job.timeout
+        self._waiting_for = ""
+        if self.sock is None:
+            self._connect()
+        if self.peer_info is None:
+            self._open(job.info, deadline)
+        if job.renew is not None:
+            self.send([encode(job.renew)], deadline)
+            return None
+        staged = job.staged
+        if staged is None:
+            return self.peer_info
+        rid = job.request_id
+        if rid in self.failed:
+            raise KVTransferError(f"an earlier part of request {rid}'s KV failed; it cannot be committed")
+        finish = None  # waits for data still leaving (planes whose peer queues the commit behind it)
+        if job.dst_block_ids:
+            finish = self.session.deliver(rid, staged, job.dst_block_ids, deadline)
+        if job.commit is None:
+            if finish is not None:
+                finish(deadline)
+            return None
+        self._waiting_for = rid
+        self.send([encode(job.commit)], deadline)
+        ack = self.recv(deadline, KVAck)
+        if not ack.ok:
+            # The peer took the data before it answered, so it has left here or is about to; if
+            # it is stuck (the peer broke its side), this raises and the session is closed.
+            if finish is not None:
+                finish(min(deadline, time.monotonic() + REFUSED_DRAIN_S))
+            raise KVRefused(f"KV peer {self.address} refused request {rid}: {ack.error}")
+        if finish is not None:
+            finish(deadline)
+        return ack
+
+
+class ControlSender(KVSender):
+    """Prefill side: the control protocol to each peer; the blocks move on ``planes``, which also
+    give the order of preference offered at set-up."""
+
+    def __init__(self, planes: Sequence[SenderPlane], cluster_token: str = "") -> None:
+        assert planes, "a sender needs at least one plane"
+        self.cluster_token = cluster_token
+        self.planes = {p.name: p for p in planes}
+        self.transports = tuple(self.planes)
+        self.name = self.transports[0]
+        self.kv: torch.Tensor | None = None
+        self._ctx = zmq.Context.instance()
+        self._peers: dict[str, _Peer] = {}
+        self._lock = threading.Lock()
+        self.bytes_sent = 0
+
+    def register_kv_cache(self, kv_cache: torch.Tensor) -> None:
+        assert kv_cache.dim() == 6 and kv_cache.is_contiguous(), "kv_cache must be [L, NB, 2, BS, Hkv, D]"
+        self.kv = kv_cache
+        self._bytes_per_block = kv_cache[:, 0].numel() * kv_cache.element_size()
+        for plane in self.planes.values():
+            plane.register(kv_cache)
+
+    def _peer(self, address: str) -> _Peer:
+        with self._lock:
+            peer = self._peers.get(address)
+            if peer is None:
+                peer = self._peers[address] = _Peer(self, address)
+            return peer
+
+    def renew(self, address: str, info: NodeInfo, request_ids: Sequence[str]) -> None:
+        job = _Job(info, "", None, [], None, 5.0, Future(), renew=KVRenew(list(request_ids)))
+        self._peer(address).jobs.put(job)
+
+    def handshake(self, address: str, info: NodeInfo, timeout: float) -> NodeInfo:
+        fut: Future = Future()
+        self._peer(address).jobs.put(_Job(info, "", None, [], None, timeout, fut))
+        return fut.result()
+
+    def send(
+        self,
+        address: str,
+        info: NodeInfo,
+        request_id: str,
+        src_block_ids: Sequence[int],
+        dst_block_ids: Sequence[int],
+        commit: KVCommit | None,
+        timeout: float,
+        layer_events: Sequence | None = None,
+    ) -> Future[KVAck | None]:
+        assert self.kv is not None, "register_kv_cache first"
+        if len(src_block_ids) != len(dst_block_ids):
+            raise KVTransferError(f"{len(src_block_ids)} source blocks for {len(dst_block_ids)} destinations")
+        peer = self._peer(address)
+        plane = self.planes.get(peer.transport)  # read once: the peer thread may change it
+        if plane is not None:
+            staged = plane.stage(self.kv, src_block_ids, dst_block_ids, layer_events)
+        else:  # not agreed yet: on the CPU, the only copy
+            staged = copy_to_cpu(self.kv, src_block_ids)
+        self.bytes_sent += len(src_block_ids) * self._bytes_per_block
+        fut: Future = Future()
+        peer.jobs.put(_Job(info, request_id, staged, list(dst_block_ids), commit, timeout, fut))
+        return fut
+
+    def close(self) -> None:
+        with self._lock:
+            peers, self._peers = list(self._peers.values()), {}
+        for peer in peers:
+            peer.jobs.put(None)
+        for peer in peers:
+            peer.thread.join(timeout=5)
