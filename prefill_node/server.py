@@ -7,19 +7,20 @@ Per request (``POST /internal/prefill`` carrying the decode node's landing descr
    blocks — with ``max_tokens=1`` and ``hold_blocks``: when its first token is sampled
    the request finishes but keeps its blocks.
 3. Right after that step, on the engine thread, the sender takes the blocks (nothing can
-   evict them before). The transport may read them in place (nixl), so the engine keeps
-   them held until the send is over, either way, even if the request is aborted meanwhile;
-   then it releases them: they stay in the prefix cache for later prompts.
+   evict them before). The transport may read them in place (nixl), so the service pins them
+   in the engine (``LLMEngine.pin_held``) until the send is over, either way, even if the
+   request is aborted meanwhile; then it releases them: they stay in the prefix cache for
+   later prompts.
 4. The sender delivers the KV and the commit (first token, its logprobs, the seeded
    sampler's state, cached-token count) and waits for the decode node's ack; the HTTP
    reply is that outcome. Closing the HTTP request aborts the prefill.
 
 Blocks are shipped from the engine step that computes them, right after its forward was
-launched (``LLMEngine.on_launch``): on CUDA with one event per layer, so the transport moves
-the first layers while the GPU still computes the last ones, and a prompt prefilled in chunks
-ships each chunk's full blocks while the next chunk runs. The commit follows after the step.
-A preempted prompt's blocks may be reused before such a chunk was read, so after a preemption
-its blocks are shipped again from the first one.
+launched (``LLMEngine.add_launch_listener``): on CUDA with one event per layer, so the
+transport moves the first layers while the GPU still computes the last ones, and a prompt
+prefilled in chunks ships each chunk's full blocks while the next chunk runs. The commit
+follows after the step. A preempted prompt's blocks may be reused before such a chunk was
+read, so after a preemption its blocks are shipped again from the first one.
 """
 
 from __future__ import annotations
@@ -35,10 +36,8 @@ from fastapi import FastAPI, Request
 from pdserve import kv_transfer
 from pdserve.config import EngineConfig, NodeConfig
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.outputs import RequestOutput
-from pdserve.engine.request import Request as EngineRequest
+from pdserve.engine.outputs import LaunchedChunk, RequestOutput
 from pdserve.engine.request import RequestStatus
-from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.kv_transfer import KVTransferError
 from pdserve.messages import (
     KVCommit,
@@ -69,9 +68,9 @@ class PrefillService(NodeService):
         self._landing: dict[str, LandingDescriptor] = {}  # engine thread only
         self._blocks_sent: dict[str, int] = {}  # engine thread only: leading blocks already shipped
         self._preemptions: dict[str, int] = {}  # engine thread only: preemptions seen while shipping
-        # Engine thread only: requests whose last send is in flight (their blocks stay held until it
-        # is over) -> None, or the held request while an abort is kept from releasing it (``forget``).
-        self._shipping: dict[str, EngineRequest | None] = {}
+        # Engine thread only: requests whose last send is in flight (the engine keeps their blocks
+        # pinned until it is over).
+        self._shipping: set[str] = set()
         # Event loop only: request id -> (decode KV address, next renewal, period).
         self.renewals: dict[str, tuple[str, float, float]] = {}
         self._renewer: asyncio.Task | None = None
@@ -80,8 +79,8 @@ class PrefillService(NodeService):
 
     def start(self, transport: str) -> str:
         self.sender = kv_transfer.create_sender(transport, cluster_token=self.state.node.cluster_token)
-        self.sender.register_kv_cache(self.state.engine.runner.kv_cache)
-        self.state.engine.on_launch = self._ship_launched
+        self.sender.register_kv_cache(self.state.engine.kv_cache)
+        self.state.engine.add_launch_listener(self._ship_launched)
         return ""
 
     def ready(self) -> None:
@@ -157,7 +156,7 @@ class PrefillService(NodeService):
             src = engine.held_block_ids(out.request_id)
             if landing is None or src is None:
                 continue
-            if engine.scheduler.held[out.request_id].num_preemptions != preemptions:
+            if engine.num_preemptions(out.request_id) != preemptions:
                 sent = 0  # the blocks shipped early may have been reused before they were read
             completion = out.outputs[0]
             logprobs = completion.logprobs[0] if completion.logprobs else None
@@ -168,6 +167,9 @@ class PrefillService(NodeService):
                 generator_state=engine.generator_state(out.request_id),
                 num_cached_tokens=out.num_cached_tokens,
             )
+            # The transport may read the blocks until the send is over, even after an abort.
+            engine.pin_held(out.request_id)
+            self._shipping.add(out.request_id)  # until _release
             started = time.monotonic()
             try:
                 fut = self.sender.send(
@@ -182,30 +184,27 @@ class PrefillService(NodeService):
             except Exception as e:
                 fut = Future()
                 fut.set_exception(e)
-            self._shipping[out.request_id] = None  # released by _transfer_done
             fut.add_done_callback(lambda f, rid=out.request_id, t=started: self._transfer_done(rid, f, t))
 
-    def _ship_launched(self, out: SchedulerOutput, layer_events: list | None) -> None:
-        """Ship the blocks the launched step fills (a finishing prompt's last, partial one too)."""
-        engine = self.state.engine
-        block_size = engine.config.cache.block_size
-        for s in out.scheduled:
-            request = s.request
-            request_id = request.request_id
+    def _ship_launched(self, chunks: list[LaunchedChunk], layer_events: list | None) -> None:
+        """Ship the blocks a launched step fills (a finishing prompt's last, partial one too)."""
+        block_size = self.state.engine.config.cache.block_size
+        for chunk in chunks:
+            request_id = chunk.request_id
             landing = self._landing.get(request_id)
             if landing is None:
                 continue
-            end = s.start + s.num_tokens
-            filled = cdiv(end, block_size) if end >= request.num_prompt_tokens else end // block_size
+            end = chunk.start + chunk.num_tokens
+            filled = cdiv(end, block_size) if end >= chunk.num_prompt_tokens else end // block_size
             ready = min(filled - landing.first_block, len(landing.block_ids))
             sent = self._blocks_sent.get(request_id, 0)
-            if request.num_preemptions != self._preemptions.get(request_id, 0):
+            if chunk.num_preemptions != self._preemptions.get(request_id, 0):
                 sent = self._blocks_sent[request_id] = 0  # shipped blocks may be reused before read
-                self._preemptions[request_id] = request.num_preemptions
+                self._preemptions[request_id] = chunk.num_preemptions
             if ready <= sent:
                 continue
             first = landing.first_block
-            src = engine.scheduler.kv.get_block_ids(request_id)[first + sent : first + ready]
+            src = chunk.block_ids[first + sent : first + ready]
             try:
                 self.sender.send(
                     landing.kv_address,
@@ -229,15 +228,9 @@ class PrefillService(NodeService):
 
     def _release(self, engine: LLMEngine, request_id: str) -> None:
         """The send is over: the transport no longer reads the blocks (engine thread)."""
-        self._hold_again(engine, request_id)
-        self._shipping.pop(request_id, None)
+        self._shipping.discard(request_id)
+        engine.unpin_held(request_id)
         engine.release_held(request_id)
-
-    def _hold_again(self, engine: LLMEngine, request_id: str) -> None:
-        detached = self._shipping.get(request_id)
-        if detached is not None:
-            engine.scheduler.held[request_id] = detached
-            self._shipping[request_id] = None
 
     def _resolve(self, request_id: str, fut: Future) -> None:
         waiter = self.transfers.pop(request_id, None)
@@ -252,12 +245,8 @@ class PrefillService(NodeService):
         self._landing.pop(request_id, None)
         self._blocks_sent.pop(request_id, None)
         self._preemptions.pop(request_id, None)
-        if request_id in self._shipping and self._shipping[request_id] is None:
-            # Aborted while its KV may be read: ``NodeState.end_request`` releases held blocks right
-            # after this. Keep them out of its reach and held again by the next command (commands
-            # run back to back, before the next engine step) until the send is over.
-            self._shipping[request_id] = self.state.engine.scheduler.held.pop(request_id, None)
-            self.state.loop.submit(lambda engine: self._hold_again(engine, request_id))
+        # A last send in flight keeps its blocks pinned: ``NodeState.end_request`` releases them
+        # right after this, the engine only once ``_release`` unpins them.
 
     def add_routes(self, app: FastAPI) -> None:
         add_prefill_routes(app, self)
