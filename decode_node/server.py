@@ -52,7 +52,6 @@ from pdserve.node.framework import (
     read_message,
 )
 from pdserve.prefill_node.server import PrefillService
-from pdserve.utils import cdiv
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +78,7 @@ class DecodeService(NodeService):
         self.receiver = kv_transfer.create_receiver(
             transport, host=node.kv_host, port=node.kv_port, cluster_token=node.cluster_token
         )
-        self.receiver.register_kv_cache(engine.runner.kv_cache)
+        self.receiver.register_kv_cache(engine.kv_cache)
         provisional = node_info(engine, node, state.role, transport, "")
         return self.receiver.start(provisional, self.table, self._on_commit)
 
@@ -106,8 +105,7 @@ class DecodeService(NodeService):
         block_ids = engine.reserve_remote(msg.request_id, msg.prompt_token_ids, msg.params)
         if block_ids is None:
             return None
-        request = engine.scheduler.requests[msg.request_id]
-        first = request.num_computed_tokens // engine.config.cache.block_size
+        first = engine.num_computed_tokens(msg.request_id) // engine.config.cache.block_size
         self.table.add(msg.request_id, block_ids[first:], deadline)
         self.state.track_deadline(msg.request_id, msg.deadline)
         return block_ids[first:], first
@@ -118,9 +116,7 @@ class DecodeService(NodeService):
         request the engine can never serve."""
         engine.validate_request(msg.request_id, msg.prompt_token_ids, msg.params)
         self.state.check_room()
-        bs = engine.config.cache.block_size
-        needed = cdiv(len(msg.prompt_token_ids) + 1, bs)
-        if needed > engine.scheduler.kv.num_free_blocks:
+        if engine.blocks_for_tokens(len(msg.prompt_token_ids) + 1) > engine.num_free_blocks:
             return False
         self.pending_local[msg.request_id] = (msg, deadline)
         self.state.track_deadline(msg.request_id, msg.deadline)

@@ -7,39 +7,43 @@ Per request (``POST /internal/prefill`` carrying the decode node's landing descr
    blocks — with ``max_tokens=1`` and ``hold_blocks``: when its first token is sampled
    the request finishes but keeps its blocks.
 3. Right after that step, on the engine thread, the sender takes the blocks (nothing can
-   evict them before). The transport may read them in place (nixl), so the engine keeps
-   them held until the send is over, either way, even if the request is aborted meanwhile;
-   then it releases them: they stay in the prefix cache for later prompts.
+   evict them before). The transport may read them in place (nixl), so the service pins them
+   in the engine (``LLMEngine.pin_held``) until the send is over, either way, even if the
+   request is aborted meanwhile; then it releases them: they stay in the prefix cache for
+   later prompts.
 4. The sender delivers the KV and the commit (first token, its logprobs, the seeded
    sampler's state, cached-token count) and waits for the decode node's ack; the HTTP
    reply is that outcome. Closing the HTTP request aborts the prefill.
 
 Blocks are shipped from the engine step that computes them, right after its forward was
-launched (``LLMEngine.on_launch``): on CUDA with one event per layer, so the transport moves
-the first layers while the GPU still computes the last ones, and a prompt prefilled in chunks
-ships each chunk's full blocks while the next chunk runs. The commit follows after the step.
-A preempted prompt's blocks may be reused before such a chunk was read, so after a preemption
-its blocks are shipped again from the first one.
+launched (``LLMEngine.add_launch_listener``): on CUDA with one event per layer, so the
+transport moves the first layers while the GPU still computes the last ones, and a prompt
+prefilled in chunks ships each chunk's full blocks while the next chunk runs. The commit
+follows after the step. A preempted prompt's blocks may be reused before such a chunk was
+read, so after a preemption its blocks are shipped again from the first one.
+
+Each prompt in flight is one ``Shipment``: where its KV goes, what was shipped, its lease
+renewals and the future its HTTP handler waits on, each field written by one thread.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import enum
 import logging
 import time
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 
 from pdserve import kv_transfer
 from pdserve.config import EngineConfig, NodeConfig
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.outputs import RequestOutput
-from pdserve.engine.request import Request as EngineRequest
+from pdserve.engine.outputs import LaunchedChunk, RequestOutput
 from pdserve.engine.request import RequestStatus
-from pdserve.engine.scheduler import SchedulerOutput
-from pdserve.kv_transfer import KVTransferError
+from pdserve.kv_transfer import KVRefused, KVTransferError
 from pdserve.kv_transfer.messages import KVCommit
 from pdserve.messages import (
     LandingDescriptor,
@@ -60,28 +64,74 @@ from pdserve.utils import cdiv
 logger = logging.getLogger(__name__)
 
 
+class Stage(enum.Enum):
+    """Where a shipment is, as the engine thread sees it."""
+
+    ADMITTED = "admitted"
+    """The HTTP handler took the prompt; the engine has not queued it yet."""
+    PREFILLING = "prefilling"
+    """The engine runs the prompt; each launched step ships the blocks it fills."""
+    SENDING = "sending"
+    """The first token is out and the last send (with the commit) is in flight: the engine keeps
+    the blocks pinned, even through an abort, until the send is over."""
+    DONE = "done"
+    """The send is over and the blocks released, or the request ended before its last send."""
+
+
+@dataclass(eq=False)
+class Shipment:
+    """One prompt's KV on its way to a decode node, from its admission until its HTTP handler returns.
+
+    Threads: the event loop creates it and owns its membership in ``PrefillService.shipments``
+    (it alone adds and removes; the engine thread only looks ids up there). Each field below says
+    which thread writes it; the other thread does not read it.
+    """
+
+    request_id: str
+    landing: LandingDescriptor
+    """Where the KV goes: the decode node's blocks and address (never changes)."""
+    transfer: asyncio.Future | None = None
+    """Event loop: the outcome of the last send, the decode node's ack or a ``KVTransferError``
+    (None only where no HTTP handler waits, as in tests that drive the service directly)."""
+    renew_at: float = 0.0
+    """Event loop: when the decode node's lease is renewed next (``time.monotonic``)."""
+    renew_every: float = 0.0
+    """Event loop: a third of the lease's length."""
+    stage: Stage = Stage.ADMITTED
+    """Engine thread (set by the event loop only when created)."""
+    num_blocks_sent: int = 0
+    """Engine thread: leading landing blocks shipped from launched steps."""
+    num_preemptions: int = 0
+    """Engine thread: the prompt's preemptions when those blocks were shipped; after another one
+    they may have been reused before they were read, and are shipped again."""
+
+
+class HandshakeRefused(KVTransferError):
+    """The decode node answered the handshake and refused it: remembered, repeated for every
+    request to that node, never retried."""
+
+
+def _is_refusal(e: KVTransferError) -> bool:
+    """Whether a failed handshake was refused by the peer. The transports raise a plain
+    ``KVTransferError`` for that today, so this is the one place that tells it by its message."""
+    return isinstance(e, KVRefused) or "refused" in str(e)
+
+
 class PrefillService(NodeService):
     """Computes prompts whose decode happens on another node, and ships their KV there."""
 
     def __init__(self, state: NodeState) -> None:
         super().__init__(state)
         self.sender = None
-        self._landing: dict[str, LandingDescriptor] = {}  # engine thread only
-        self._blocks_sent: dict[str, int] = {}  # engine thread only: leading blocks already shipped
-        self._preemptions: dict[str, int] = {}  # engine thread only: preemptions seen while shipping
-        # Engine thread only: requests whose last send is in flight (their blocks stay held until it
-        # is over) -> None, or the held request while an abort is kept from releasing it (``forget``).
-        self._shipping: dict[str, EngineRequest | None] = {}
-        # Event loop only: request id -> (decode KV address, next renewal, period).
-        self.renewals: dict[str, tuple[str, float, float]] = {}
+        self.shipments: dict[str, Shipment] = {}
+        """Request id -> its shipment; added and removed on the event loop only (``open``, ``close``)."""
         self._renewer: asyncio.Task | None = None
-        self._handshakes: dict[str, asyncio.Future] = {}
-        self.transfers: dict[str, asyncio.Future] = {}  # event-loop only
+        self._handshakes: dict[str, asyncio.Future] = {}  # event loop only: decode KV address -> handshake
 
     def start(self, transport: str) -> str:
         self.sender = kv_transfer.create_sender(transport, cluster_token=self.state.node.cluster_token)
-        self.sender.register_kv_cache(self.state.engine.runner.kv_cache)
-        self.state.engine.on_launch = self._ship_launched
+        self.sender.register_kv_cache(self.state.engine.kv_cache)
+        self.state.engine.add_launch_listener(self._ship_launched)
         return ""
 
     def ready(self) -> None:
@@ -97,38 +147,51 @@ class PrefillService(NodeService):
         if self.sender is not None:
             self.sender.close()
 
+    # -- event loop ----------------------------------------------------------------------------
+
     async def handshake(self, address: str) -> None:
-        """Once per decode node; a refusal is remembered and repeated for every request."""
+        """Once per decode node; a refusal (``HandshakeRefused``) is remembered and repeated for
+        every request, other failures are tried again by the next request."""
         fut = self._handshakes.get(address)
         if fut is None or (
-            fut.done() and fut.exception() is not None and "refused" not in str(fut.exception())
+            fut.done() and fut.exception() is not None and not isinstance(fut.exception(), HandshakeRefused)
         ):
-            node = self.state.node
-            fut = asyncio.ensure_future(
-                asyncio.to_thread(self.sender.handshake, address, self.state.info, node.kv_transfer_timeout_s)
-            )
-            self._handshakes[address] = fut
+            fut = self._handshakes[address] = asyncio.ensure_future(self._handshake(address))
         await asyncio.shield(fut)
 
-    # -- engine thread -------------------------------------------------------------------------
+    async def _handshake(self, address: str) -> None:
+        timeout = self.state.node.kv_transfer_timeout_s
+        try:
+            await asyncio.to_thread(self.sender.handshake, address, self.state.info, timeout)
+        except KVTransferError as e:
+            if _is_refusal(e):
+                raise HandshakeRefused(str(e)) from e
+            raise
 
-    def add(self, engine: LLMEngine, msg: PrefillRequest) -> None:
-        """Queue the prompt; raises ``NodeRefused`` when the node's queue is full, ValueError for
-        a request the engine can never serve."""
-        self.state.check_room()
-        params = msg.params
-        # Only the first token is sampled here; stop strings are the decode node's concern.
-        params = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1), stop=())
-        engine.add_request(
-            msg.request_id, None, params, prompt_token_ids=msg.prompt_token_ids, hold_blocks=True
+    def open(self, msg: PrefillRequest) -> Shipment:
+        """Track a prompt from its admission on: its lease is renewed from now. Raises ValueError
+        for a request id already in flight here."""
+        rid = msg.request_id
+        if rid in self.shipments:
+            raise ValueError(f"duplicate request id {rid!r}")
+        period = max(0.1, (msg.landing.lease_deadline - time.time()) / 3)
+        shipment = Shipment(
+            rid,
+            msg.landing,
+            transfer=asyncio.get_running_loop().create_future(),
+            renew_at=time.monotonic() + period,
+            renew_every=period,
         )
-        self._landing[msg.request_id] = msg.landing
-        self.state.track_deadline(msg.request_id, msg.deadline)
+        self.shipments[rid] = shipment
+        return shipment
 
-    def busy(self) -> bool:
-        # ``transfers`` belongs to the event loop: one atomic ``len`` read, and it is filled before
-        # the request reaches the engine and emptied after its send is over.
-        return bool(self._landing or self._shipping or len(self.transfers))
+    def close(self, shipment: Shipment) -> None:
+        """The prompt's HTTP handler is done with it: its lease is no longer renewed, and the
+        outcome of a send still in flight has no one to go to."""
+        if self.shipments.get(shipment.request_id) is shipment:
+            del self.shipments[shipment.request_id]
+        if shipment.transfer is not None and not shipment.transfer.done():
+            shipment.transfer.cancel()
 
     async def _renew_leases(self) -> None:
         """While a prompt is on this node, renew its decode lease three times per lease length.
@@ -139,25 +202,63 @@ class PrefillService(NodeService):
             await asyncio.sleep(0.05)
             now = time.monotonic()
             due: dict[str, list[str]] = {}
-            for request_id, (address, at, period) in list(self.renewals.items()):
-                if now >= at:
-                    due.setdefault(address, []).append(request_id)
-                    self.renewals[request_id] = (address, now + period, period)
+            for shipment in list(self.shipments.values()):
+                if now >= shipment.renew_at:
+                    due.setdefault(shipment.landing.kv_address, []).append(shipment.request_id)
+                    shipment.renew_at = now + shipment.renew_every
             for address, request_ids in due.items():
                 self.sender.renew(address, self.state.info, request_ids)
+
+    def _resolve(self, shipment: Shipment, fut: Future) -> None:
+        """The send is over: its outcome goes to the HTTP handler waiting for it."""
+        waiter = shipment.transfer
+        if waiter is not None and not waiter.done():
+            exc = fut.exception()
+            if exc is not None:
+                waiter.set_exception(exc)
+            else:
+                waiter.set_result(fut.result())
+
+    # -- engine thread -------------------------------------------------------------------------
+
+    def add(self, engine: LLMEngine, msg: PrefillRequest, shipment: Shipment) -> None:
+        """Queue the prompt of a shipment ``open`` made; raises ``NodeRefused`` when the node's
+        queue is full, ValueError for a request the engine can never serve."""
+        self.state.check_room()
+        params = msg.params
+        # Only the first token is sampled here; stop strings are the decode node's concern.
+        params = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1), stop=())
+        engine.add_request(
+            msg.request_id, None, params, prompt_token_ids=msg.prompt_token_ids, hold_blocks=True
+        )
+        shipment.stage = Stage.PREFILLING
+        self.state.track_deadline(msg.request_id, msg.deadline)
+
+    def busy(self) -> bool:
+        # One atomic ``len`` of the event loop's dict: a shipment is there from before its prompt
+        # reaches the engine until its handler returns; a send still in flight after that keeps
+        # its blocks pinned in the engine, which keeps the node busy too.
+        return bool(len(self.shipments))
+
+    def _prefilling(self, request_id: str) -> Shipment | None:
+        shipment = self.shipments.get(request_id)
+        return shipment if shipment is not None and shipment.stage is Stage.PREFILLING else None
 
     def after_step(self, outputs: list[RequestOutput]) -> None:
         engine = self.state.engine
         for out in outputs:
             if not out.finished:
                 continue
-            landing = self._landing.pop(out.request_id, None)
-            sent = self._blocks_sent.pop(out.request_id, 0)
-            preemptions = self._preemptions.pop(out.request_id, 0)
-            src = engine.held_block_ids(out.request_id)
-            if landing is None or src is None:
+            shipment = self._prefilling(out.request_id)
+            if shipment is None:
                 continue
-            if engine.scheduler.held[out.request_id].num_preemptions != preemptions:
+            shipment.stage = Stage.DONE  # unless the last send starts below
+            src = engine.held_block_ids(out.request_id)
+            if src is None:
+                continue
+            landing = shipment.landing
+            sent = shipment.num_blocks_sent
+            if engine.num_preemptions(out.request_id) != shipment.num_preemptions:
                 sent = 0  # the blocks shipped early may have been reused before they were read
             completion = out.outputs[0]
             logprobs = completion.logprobs[0] if completion.logprobs else None
@@ -168,6 +269,9 @@ class PrefillService(NodeService):
                 generator_state=engine.generator_state(out.request_id),
                 num_cached_tokens=out.num_cached_tokens,
             )
+            # The transport may read the blocks until the send is over, even after an abort.
+            engine.pin_held(out.request_id)
+            shipment.stage = Stage.SENDING  # until _release
             started = time.monotonic()
             try:
                 fut = self.sender.send(
@@ -182,82 +286,60 @@ class PrefillService(NodeService):
             except Exception as e:
                 fut = Future()
                 fut.set_exception(e)
-            self._shipping[out.request_id] = None  # released by _transfer_done
-            fut.add_done_callback(lambda f, rid=out.request_id, t=started: self._transfer_done(rid, f, t))
+            fut.add_done_callback(lambda f, s=shipment, t=started: self._transfer_done(s, f, t))
 
-    def _ship_launched(self, out: SchedulerOutput, layer_events: list | None) -> None:
-        """Ship the blocks the launched step fills (a finishing prompt's last, partial one too)."""
-        engine = self.state.engine
-        block_size = engine.config.cache.block_size
-        for s in out.scheduled:
-            request = s.request
-            request_id = request.request_id
-            landing = self._landing.get(request_id)
-            if landing is None:
+    def _ship_launched(self, chunks: list[LaunchedChunk], layer_events: list | None) -> None:
+        """Ship the blocks a launched step fills (a finishing prompt's last, partial one too)."""
+        block_size = self.state.engine.config.cache.block_size
+        for chunk in chunks:
+            shipment = self._prefilling(chunk.request_id)
+            if shipment is None:
                 continue
-            end = s.start + s.num_tokens
-            filled = cdiv(end, block_size) if end >= request.num_prompt_tokens else end // block_size
+            landing = shipment.landing
+            end = chunk.start + chunk.num_tokens
+            filled = cdiv(end, block_size) if end >= chunk.num_prompt_tokens else end // block_size
             ready = min(filled - landing.first_block, len(landing.block_ids))
-            sent = self._blocks_sent.get(request_id, 0)
-            if request.num_preemptions != self._preemptions.get(request_id, 0):
-                sent = self._blocks_sent[request_id] = 0  # shipped blocks may be reused before read
-                self._preemptions[request_id] = request.num_preemptions
+            if chunk.num_preemptions != shipment.num_preemptions:
+                shipment.num_blocks_sent = 0  # shipped blocks may be reused before read
+                shipment.num_preemptions = chunk.num_preemptions
+            sent = shipment.num_blocks_sent
             if ready <= sent:
                 continue
             first = landing.first_block
-            src = engine.scheduler.kv.get_block_ids(request_id)[first + sent : first + ready]
             try:
                 self.sender.send(
                     landing.kv_address,
                     self.state.info,
-                    request_id,
-                    src,
+                    chunk.request_id,
+                    chunk.block_ids[first + sent : first + ready],
                     landing.block_ids[sent:ready],
                     None,
                     self.state.node.kv_transfer_timeout_s,
                     layer_events,
                 )
             except Exception:  # the commit will report the missing blocks
-                logger.exception("sending finished blocks of %s failed", request_id)
-            self._blocks_sent[request_id] = ready
+                logger.exception("sending finished blocks of %s failed", chunk.request_id)
+            shipment.num_blocks_sent = ready
 
-    def _transfer_done(self, request_id: str, fut: Future, started: float) -> None:
+    def _transfer_done(self, shipment: Shipment, fut: Future, started: float) -> None:
+        # The sender's thread (or the engine thread when the send failed at once).
         if fut.exception() is None:
             self.state.metrics.transfer_seconds.observe(time.monotonic() - started)
-        self.state.loop.submit(lambda engine: self._release(engine, request_id))
-        self.state.loop.loop.call_soon_threadsafe(self._resolve, request_id, fut)
+        self.state.loop.submit(lambda engine: self._release(engine, shipment))
+        self.state.loop.loop.call_soon_threadsafe(self._resolve, shipment, fut)
 
-    def _release(self, engine: LLMEngine, request_id: str) -> None:
+    def _release(self, engine: LLMEngine, shipment: Shipment) -> None:
         """The send is over: the transport no longer reads the blocks (engine thread)."""
-        self._hold_again(engine, request_id)
-        self._shipping.pop(request_id, None)
-        engine.release_held(request_id)
-
-    def _hold_again(self, engine: LLMEngine, request_id: str) -> None:
-        detached = self._shipping.get(request_id)
-        if detached is not None:
-            engine.scheduler.held[request_id] = detached
-            self._shipping[request_id] = None
-
-    def _resolve(self, request_id: str, fut: Future) -> None:
-        waiter = self.transfers.pop(request_id, None)
-        if waiter is not None and not waiter.done():
-            exc = fut.exception()
-            if exc is not None:
-                waiter.set_exception(exc)
-            else:
-                waiter.set_result(fut.result())
+        shipment.stage = Stage.DONE
+        engine.unpin_held(shipment.request_id)
+        engine.release_held(shipment.request_id)
 
     def forget(self, request_id: str) -> None:
-        self._landing.pop(request_id, None)
-        self._blocks_sent.pop(request_id, None)
-        self._preemptions.pop(request_id, None)
-        if request_id in self._shipping and self._shipping[request_id] is None:
-            # Aborted while its KV may be read: ``NodeState.end_request`` releases held blocks right
-            # after this. Keep them out of its reach and held again by the next command (commands
-            # run back to back, before the next engine step) until the send is over.
-            self._shipping[request_id] = self.state.engine.scheduler.held.pop(request_id, None)
-            self.state.loop.submit(lambda engine: self._hold_again(engine, request_id))
+        # Nothing more is shipped from its steps. A last send in flight keeps its blocks pinned
+        # (``NodeState.end_request`` releases them right after this, the engine only at the unpin).
+        shipment = self._prefilling(request_id)
+        if shipment is not None:
+            shipment.stage = Stage.DONE
 
     def add_routes(self, app: FastAPI) -> None:
         add_prefill_routes(app, self)
@@ -304,42 +386,41 @@ def add_prefill_routes(app: FastAPI, service: PrefillService) -> None:
         error = _validate(msg, state.engine.config.cache.block_size)
         if error:
             return msgpack_response(fail(msg, error), 500)  # a cluster bug, not the client's
-        rid = msg.request_id
         async with state.admission(msg.deadline):  # raises NodeRefused: 429, 503 or 504
             try:
                 await service.handshake(msg.landing.kv_address)
             except KVTransferError as e:
                 return msgpack_response(fail(msg, str(e)), 502)
-            period = max(0.1, (msg.landing.lease_deadline - time.time()) / 3)
-            service.renewals[rid] = (msg.landing.kv_address, time.monotonic() + period, period)
             try:
-                outputs, transfer = await _add(msg)
+                shipment = service.open(msg)  # its lease is renewed from now on
             except ValueError as e:
-                service.renewals.pop(rid, None)
+                return msgpack_response(fail(msg, str(e)), 400)
+            try:
+                outputs = await _add(msg, shipment)
+            except ValueError as e:
+                service.close(shipment)
                 return msgpack_response(fail(msg, str(e)), 400)
             except BaseException:
-                service.renewals.pop(rid, None)
+                service.close(shipment)
                 raise
         try:
-            return await _prefill(msg, outputs, transfer, arrived)
+            return await _prefill(msg, outputs, shipment.transfer, arrived)
         finally:
-            service.renewals.pop(rid, None)
+            service.close(shipment)
 
-    async def _add(msg: PrefillRequest):
-        """Queue the prompt in the engine; its output slot and the future of its KV send."""
+    async def _add(msg: PrefillRequest, shipment: Shipment):
+        """Queue the prompt in the engine; its output slot."""
         rid = msg.request_id
         outputs = state.loop.subscribe(rid)
-        transfer = service.transfers[rid] = asyncio.get_running_loop().create_future()
         try:
-            await state.loop.call(lambda e: service.add(e, msg))
+            await state.loop.call(lambda e: service.add(e, msg, shipment))
         except BaseException as exc:
             state.loop.unsubscribe(rid)
-            service.transfers.pop(rid, None)
             if isinstance(exc, asyncio.CancelledError):  # the add may still run: undo it after
                 gone = RequestStatus.FINISHED_ABORTED
                 state.loop.submit(lambda e: state.end_request(rid, gone, "proxy gone"))
             raise
-        return outputs, transfer
+        return outputs
 
     async def _prefill(msg: PrefillRequest, outputs, transfer: asyncio.Future, arrived: float):
         rid = msg.request_id
@@ -347,13 +428,11 @@ def add_prefill_routes(app: FastAPI, service: PrefillService) -> None:
             out = await outputs.get()
             state.metrics.prefill_seconds.observe(time.monotonic() - arrived)
             if out.outputs[0].finish_reason == "error":  # ended before its KV was sent: none will be
-                service.transfers.pop(rid, None)
                 return msgpack_response(fail(msg, str(out.outputs[0].stop_reason)), 500)
             await transfer
         except KVTransferError as e:
             return msgpack_response(fail(msg, str(e)), 502)
         except asyncio.CancelledError:  # the proxy hung up
-            service.transfers.pop(rid, None)
             state.loop.submit(lambda e: state.end_request(rid, RequestStatus.FINISHED_ABORTED, "proxy gone"))
             raise
         finally:

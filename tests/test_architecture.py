@@ -1,4 +1,5 @@
-"""The layout as contracts: one import namespace, floors that only look down, a torch-free proxy.
+"""The layout as contracts: one import namespace, floors that only look down, a torch-free proxy,
+node services that use only the engine's public API.
 
 The wheel is built once from a copy of the checkout (setuptools' build folder would otherwise carry
 stale modules between builds) and unpacked: an unpacked wheel is exactly what ``pip install .``
@@ -7,6 +8,7 @@ puts into site-packages.
 
 from __future__ import annotations
 
+import ast
 import os
 import shutil
 import subprocess
@@ -108,6 +110,37 @@ def test_layer_contracts_hold(site):
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert "0 broken" in proc.stdout
+
+
+NODE_DIRS = ("pdserve/node", "prefill_node", "decode_node")
+ENGINE_INSIDES = ("scheduler", "runner")
+"""``LLMEngine`` attributes that are its insides: the node reaches neither, by any name."""
+
+
+def _reaches_into_the_engine(source: str) -> list[str]:
+    """What in ``source`` reads the engine's insides or sets the old launch hook, as ``line: text``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Attribute):
+            continue
+        if node.attr in ENGINE_INSIDES or (node.attr == "on_launch" and isinstance(node.ctx, ast.Store)):
+            found.append((node.lineno, node.col_offset, ast.unparse(node)))
+    return [f"{line}: {text}" for line, _, text in sorted(found)]
+
+
+def test_the_check_for_reaching_into_the_engine_can_fail():
+    source = "n = engine.scheduler.held\nx.runner.kv_cache\nstate.engine.on_launch = f\nengine.on_launch\n"
+    found = _reaches_into_the_engine(source)
+    assert found == ["1: engine.scheduler", "2: x.runner", "3: state.engine.on_launch"]
+
+
+def test_node_services_use_only_the_engine_public_api():
+    """No module of the node framework or the roles touches ``.scheduler`` or ``.runner`` (of the
+    engine or anything else) or assigns an ``.on_launch`` hook: they call ``LLMEngine``'s methods."""
+    files = sorted(p for d in NODE_DIRS for p in (ROOT / d).rglob("*.py"))
+    assert len(files) >= 5, files
+    found = [f"{p.relative_to(ROOT)}:{hit}" for p in files for hit in _reaches_into_the_engine(p.read_text())]
+    assert found == []
 
 
 def test_proxy_app_does_not_import_torch():

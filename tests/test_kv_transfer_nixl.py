@@ -382,7 +382,7 @@ def engine():
 @pytest.mark.parametrize("case", ["done", "aborted", "aborted, done at once", "done, aborted at once"])
 def test_prefill_service_frees_the_blocks_only_when_the_send_is_over(engine, case):
     from pdserve.messages import LandingDescriptor
-    from pdserve.prefill_node.server import PrefillService
+    from pdserve.prefill_node.server import PrefillService, Shipment, Stage
     from pdserve.sampling_params import SamplingParams
 
     loop = _Loop()
@@ -400,7 +400,8 @@ def test_prefill_service_frees_the_blocks_only_when_the_send_is_over(engine, cas
     rid = f"p-{case}"
     prompt = list(range(5, 45))  # 40 tokens: 3 blocks
     engine.add_request(rid, None, SamplingParams(max_tokens=1), prompt_token_ids=prompt, hold_blocks=True)
-    service._landing[rid] = LandingDescriptor(rid, "decode", "tcp://decode", [7, 8, 9], 40, time.time() + 30)
+    landing = LandingDescriptor(rid, "decode", "tcp://decode", [7, 8, 9], 40, time.time() + 30)
+    service.shipments[rid] = Shipment(rid, landing, stage=Stage.PREFILLING)  # the engine runs its prompt
     while rid not in engine.scheduler.held:
         service.after_step(engine.step())
     ((sent_rid, src, fut),) = service.sender.sends
@@ -423,5 +424,5 @@ def test_prefill_service_frees_the_blocks_only_when_the_send_is_over(engine, cas
         assert len(loop.commands) == 1  # the release, queued for the engine thread
         loop.commands.pop()(engine)
     assert pool.num_free_blocks == total and rid not in engine.scheduler.held and not loop.commands
-    assert not service._shipping
+    assert not [r for r, x in service.shipments.items() if x.stage is Stage.SENDING]  # no send in flight
     engine.scheduler.check_integrity()

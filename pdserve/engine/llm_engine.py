@@ -9,6 +9,13 @@ detokenizing, streaming) and for step N+1 (scheduling, building its inputs) over
 on the device, and step N+1 reads step N's tokens on the device (``DeviceInputs``). A step
 whose sampling has penalties is applied before the next one is scheduled, because penalties
 count the output tokens on the host.
+
+Node services use the engine through its public methods only (``load``, ``request_ids``,
+``pin_held``, ``add_launch_listener``, ...): their arguments and results are plain values and
+ids, never the scheduler's objects, so that the engine core can move into a process of its own
+with these calls as its messages. The scheduler and the model runner are the engine's insides;
+only the engine's own tests reach into them. Every method runs on the thread that steps the
+engine.
 """
 
 from __future__ import annotations
@@ -16,7 +23,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -26,7 +32,13 @@ from pdserve.config import EngineConfig
 from pdserve.engine.model_runner import DeviceInputs, ModelRunner
 from pdserve.engine.models import load_model
 from pdserve.engine.models.arch import ArchConfig
-from pdserve.engine.outputs import CompletionOutput, RequestOutput
+from pdserve.engine.outputs import (
+    CompletionOutput,
+    EngineLoad,
+    LaunchedChunk,
+    LaunchListener,
+    RequestOutput,
+)
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampler import PendingSample, Sampler, SamplingRow, make_generator
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
@@ -35,6 +47,7 @@ from pdserve.logprobs import TokenLogprobs
 from pdserve.model_source import resolve_model
 from pdserve.sampling_params import SamplingParams
 from pdserve.tokenizer import IncrementalDetokenizer, load_tokenizer
+from pdserve.utils import cdiv
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +116,8 @@ class LLMEngine:
             namespace=self.source.model_id,
             record_events=record_block_events,
         )
+        """The engine's insides, with ``runner``: nothing outside ``pdserve.engine`` (and the engine's
+        own tests) reads them; node services use the methods below."""
         self.sampler = Sampler(self.eos_token_ids, seed=config.model.seed, device=config.torch_device)
         self.async_scheduling = bool(config.scheduler.async_scheduling)
         """Apply each step after launching the next (see the module docstring). Benchmarks flip it
@@ -110,11 +125,7 @@ class LLMEngine:
         self._in_flight: _LaunchedStep | None = None
         self._states: dict[str, _RequestState] = {}
         self._next_id = 0
-        self.on_launch: Callable[[SchedulerOutput, list | None], None] | None = None
-        """Runs on the engine thread right after a step's forward was launched, before its tokens
-        are sampled: with the step and, for an eager CUDA step, one event per layer after which
-        that layer's KV is written (else None: everything queued so far is). A prefill node ships
-        KV from here, layer by layer while the rest of the forward runs."""
+        self._launch_listeners: list[LaunchListener] = []
         self.num_prompt_tokens_computed = 0
         """Prompt tokens this engine ran through the model (prefix-cache hits and remote KV excluded)."""
         logger.info(
@@ -157,7 +168,10 @@ class LLMEngine:
         prompt_token_ids: list[int] | None = None,
         hold_blocks: bool = False,
     ) -> Request:
-        """Queue a request. ``hold_blocks`` keeps its KV blocks after it finishes (see ``release_held``)."""
+        """Queue a request. ``hold_blocks`` keeps its KV blocks after it finishes (see ``release_held``).
+
+        Raises ValueError for a request the engine can never serve (duplicate id, too long).
+        """
         request = self._new_request(request_id, prompt, params, prompt_token_ids)
         request.hold_blocks = hold_blocks
         self.scheduler.add_request(request)
@@ -241,22 +255,111 @@ class LLMEngine:
         return state.generator.get_state().cpu().numpy().tobytes()
 
     def held_block_ids(self, request_id: str) -> list[int] | None:
+        """The blocks a finished ``hold_blocks`` request keeps; None when it holds none."""
         if request_id not in self.scheduler.held:
             return None
         return self.scheduler.kv.get_block_ids(request_id)
 
     def release_held(self, request_id: str) -> None:
+        """Free the blocks a finished ``hold_blocks`` request kept (unknown ids are ignored).
+
+        A pinned request's blocks are freed only when it is unpinned (``unpin_held``).
+        """
         self.scheduler.release_held(request_id)
         self._states.pop(request_id, None)
+
+    def pin_held(self, request_id: str) -> None:
+        """Keep a held request's blocks until ``unpin_held``, through ``release_held`` and
+        ``abort_request``: someone outside the engine reads them (a KV send in flight).
+
+        The request stays known (``has_request``) while pinned. Raises KeyError when it holds no
+        blocks.
+        """
+        self.scheduler.pin_held(request_id)
+
+    def unpin_held(self, request_id: str) -> None:
+        """End ``pin_held``: the blocks stay held, or are freed now if a release or abort came
+        while they were pinned. Unknown ids are ignored."""
+        self.scheduler.unpin_held(request_id)
+
+    def num_computed_tokens(self, request_id: str) -> int:
+        """Tokens of the request whose KV this engine has; for a request reserved by
+        ``reserve_remote``, the prefix shared from the prefix cache. Raises KeyError if unknown."""
+        return self._request(request_id).num_computed_tokens
+
+    def num_preemptions(self, request_id: str) -> int:
+        """Times the request was preempted (blocks of an earlier run may have been reused since).
+        Raises KeyError if unknown."""
+        return self._request(request_id).num_preemptions
+
+    def _request(self, request_id: str) -> Request:
+        request = self.scheduler.get_request(request_id)
+        if request is None:
+            raise KeyError(f"unknown request {request_id!r}")
+        return request
 
     def abort_request(
         self, request_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED
     ) -> None:
-        """End requests wherever they are (queued, running, waiting for KV, or holding blocks)."""
+        """End requests wherever they are (queued, running, waiting for KV, or holding blocks);
+        blocks pinned by ``pin_held`` stay until ``unpin_held``. Unknown ids are ignored."""
         self.scheduler.finish_requests(request_ids, status)
         for request_id in request_ids:
             self.release_held(request_id)
             self._states.pop(request_id, None)
+
+    # -- what the node asks of the engine ------------------------------------------------------
+
+    def load(self) -> EngineLoad:
+        """Counts of the engine's queues and blocks now, and its prompt-token counters."""
+        s = self.scheduler
+        return EngineLoad(
+            num_running=len(s.running),
+            num_waiting=len(s.waiting),
+            num_waiting_for_kv=len(s.remote),
+            num_held=len(s.held),
+            num_free_blocks=s.kv.num_free_blocks,
+            num_blocks=s.kv.pool.num_blocks,
+            num_pending_prompt_tokens=self.num_pending_prompt_tokens(),
+            num_prompt_tokens_computed=self.num_prompt_tokens_computed,
+            num_prefix_hit_tokens=s.num_prefix_hit_tokens,
+        )
+
+    def request_ids(self) -> list[str]:
+        """Every request the engine holds: queued, running, waiting for KV, or holding blocks."""
+        return list(self.scheduler.requests) + list(self.scheduler.held)
+
+    def has_request(self, request_id: str) -> bool:
+        """Whether ``request_ids`` has it; a finished request that keeps its blocks counts."""
+        return self.scheduler.get_request(request_id) is not None
+
+    @property
+    def num_free_blocks(self) -> int:
+        """KV blocks free now (evictable prefix cache included)."""
+        return self.scheduler.kv.num_free_blocks
+
+    def blocks_for_tokens(self, num_tokens: int) -> int:
+        """KV blocks that ``num_tokens`` tokens take."""
+        return cdiv(num_tokens, self.config.cache.block_size)
+
+    @property
+    def kv_cache(self) -> torch.Tensor:
+        """The KV cache, ``[num_layers, num_blocks, 2, block_size, num_kv_heads, head_dim]``: for a
+        KV transport to register (it reads and writes blocks named by id)."""
+        return self.runner.kv_cache
+
+    def add_launch_listener(self, listener: LaunchListener) -> None:
+        """Call ``listener(chunks, layer_events)`` right after each step's forward was launched,
+        before its tokens are sampled, with one ``LaunchedChunk`` per request in the step. On an
+        eager CUDA step ``layer_events`` holds one event per layer after which that layer's KV is
+        written; else it is None (everything queued so far is). A prefill node ships KV from here,
+        layer by layer while the rest of the forward runs. The events are device handles: this
+        call stays beside the device if the engine core gets a process of its own."""
+        self._launch_listeners.append(listener)
+
+    def remove_launch_listener(self, listener: LaunchListener) -> None:
+        """Stop calling a listener added by ``add_launch_listener``."""
+        self._launch_listeners.remove(listener)
 
     def take_block_events(self) -> list[BlockEvent]:
         """Block hashes stored in or evicted from the prefix cache since the last call."""
@@ -280,6 +383,7 @@ class LLMEngine:
         return pending
 
     def has_unfinished_requests(self) -> bool:
+        """Requests queued, running or waiting for KV (finished ones that hold blocks do not count)."""
         return self.scheduler.has_unfinished()
 
     def has_work(self) -> bool:
@@ -325,10 +429,23 @@ class LLMEngine:
         sources = [previous.rows[s.request.request_id] for s in out.scheduled if s.num_device_inputs]
         if sources:
             device_inputs = DeviceInputs(previous.sample.token_ids, sources)
-        layer_events: list | None = [] if self.on_launch is not None else None
+        listeners = list(self._launch_listeners)
+        layer_events: list | None = [] if listeners else None
         logits = self.runner.execute(out, device_inputs, layer_events)
-        if self.on_launch is not None:
-            self.on_launch(out, layer_events or None)
+        if listeners:
+            chunks = [
+                LaunchedChunk(
+                    s.request.request_id,
+                    s.start,
+                    s.num_tokens,
+                    s.request.num_prompt_tokens,
+                    s.request.num_preemptions,
+                    s.block_ids,
+                )
+                for s in out.scheduled
+            ]
+            for listener in listeners:
+                listener(chunks, layer_events or None)
         for s in out.scheduled:
             prompt_end = min(s.start + s.num_tokens, s.request.num_prompt_tokens)
             self.num_prompt_tokens_computed += max(0, prompt_end - s.start)

@@ -1,7 +1,11 @@
-"""What the engine returns, shaped like vLLM's ``RequestOutput``."""
+"""What the engine hands out: request outputs (shaped like vLLM's ``RequestOutput``), its load, and
+the chunks of a launched step. Plain values, no live engine objects: what could cross a process
+boundary between the engine core and a node's I/O side as a message.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pdserve.logprobs import TokenLogprobs
@@ -33,3 +37,45 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     """Prompt tokens whose KV came from the prefix cache."""
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """A snapshot of the engine's queues and block pool (``LLMEngine.load``)."""
+
+    num_running: int
+    """Requests in the running batch."""
+    num_waiting: int
+    """Requests queued to be scheduled (new or preempted)."""
+    num_waiting_for_kv: int
+    """Requests whose blocks are reserved for KV another node computes."""
+    num_held: int
+    """Finished requests whose blocks are kept until their KV was sent elsewhere."""
+    num_free_blocks: int
+    """KV blocks free or holding evictable prefix cache."""
+    num_blocks: int
+    """KV blocks of the pool."""
+    num_pending_prompt_tokens: int
+    """Prompt tokens queued or running that are not computed yet (``num_pending_prompt_tokens``)."""
+    num_prompt_tokens_computed: int
+    """Prompt tokens run through the model since the engine started (cache hits excluded)."""
+    num_prefix_hit_tokens: int
+    """Prompt tokens found in the prefix cache when requests were admitted, since the start."""
+
+
+@dataclass(frozen=True)
+class LaunchedChunk:
+    """One request's share of a step whose forward was just launched: tokens
+    ``[start, start + num_tokens)`` of its sequence, written into ``block_ids`` (all its blocks)."""
+
+    request_id: str
+    start: int
+    num_tokens: int
+    num_prompt_tokens: int
+    num_preemptions: int
+    """Times the request was preempted so far: blocks of an earlier run may have been reused."""
+    block_ids: tuple[int, ...]
+
+
+LaunchListener = Callable[[list[LaunchedChunk], "list | None"], None]
+"""Called by ``LLMEngine`` right after a step's forward was launched: ``(chunks, layer_events)``."""

@@ -100,6 +100,9 @@ class Scheduler:
         self.remote: dict[str, Request] = {}
         # Blocks of finished requests kept until their KV has been sent elsewhere.
         self.held: dict[str, Request] = {}
+        # Held requests whose blocks are being read from outside (a send in flight) -> whether a
+        # release came meanwhile: their blocks are freed by ``unpin_held``, not before.
+        self.pinned: dict[str, bool] = {}
         self.num_preemptions = 0
         # Prefix-cache statistics, counted when a request is admitted.
         self.num_prefix_query_tokens = 0
@@ -182,10 +185,30 @@ class Scheduler:
     # -- KV sent elsewhere (prefill side of disaggregation) ------------------------------------
 
     def release_held(self, request_id: str) -> None:
-        """Free the blocks a finished ``hold_blocks`` request kept for sending its KV."""
+        """Free the blocks a finished ``hold_blocks`` request kept for sending its KV; a pinned
+        request's are freed when it is unpinned. Unknown ids are ignored."""
+        if request_id in self.pinned:
+            self.pinned[request_id] = True
+            return
         request = self.held.pop(request_id, None)
         if request is not None:
             self.kv.free(request)
+
+    def pin_held(self, request_id: str) -> None:
+        """Keep a held request's blocks through ``release_held`` (an abort) until ``unpin_held``."""
+        if request_id not in self.held:
+            raise KeyError(f"request {request_id!r} holds no blocks")
+        self.pinned.setdefault(request_id, False)
+
+    def unpin_held(self, request_id: str) -> None:
+        """End a pin; blocks whose release came while pinned are freed now."""
+        if self.pinned.pop(request_id, False):
+            self.release_held(request_id)
+
+    def get_request(self, request_id: str) -> Request | None:
+        """A request queued, running, waiting for KV or holding blocks; None if unknown."""
+        request = self.requests.get(request_id)
+        return request if request is not None else self.held.get(request_id)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
         """End requests (abort, stop string, error); frees their blocks. Unknown ids are ignored."""
@@ -349,6 +372,7 @@ class Scheduler:
         self.kv.check_integrity()
         queued = {r.request_id for r in self.running} | {r.request_id for r in self.waiting}
         assert queued | set(self.remote) == set(self.requests), "a known request is in no queue"
+        assert set(self.pinned) <= set(self.held), "a pinned request holds no blocks"
         owners = queued | set(self.remote) | set(self.held)
         assert set(self.kv.req_to_blocks) <= owners, "blocks held by a request the scheduler forgot"
         if not self.requests and not self.held:

@@ -173,7 +173,7 @@ class EngineLoop:
             logger.exception("engine loop hook failed")
 
     def _fail_all(self, message: str) -> None:
-        ids = list(self.engine.scheduler.requests) + list(self.engine.scheduler.held)
+        ids = self.engine.request_ids()
         self.engine.abort_request(ids, RequestStatus.FINISHED_ERROR)
         for request_id in ids:
             self.publish(error_output(request_id, message))

@@ -33,7 +33,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pdserve import kv_transfer
 from pdserve.config import EngineConfig, NodeConfig, Role, dtype_name
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.outputs import EngineLoad, RequestOutput
 from pdserve.engine.request import RequestStatus
 from pdserve.messages import AbortRequest, Message, NodeInfo, NodeLoad, decode, encode
 from pdserve.metrics import CONTENT_TYPE, LATENCY_BUCKETS, Registry
@@ -66,15 +66,15 @@ def node_info(engine: LLMEngine, node: NodeConfig, role: Role, transport: str, k
     )
 
 
-def node_load(engine: LLMEngine) -> NodeLoad:
-    s = engine.scheduler
+def node_load(load: EngineLoad) -> NodeLoad:
+    """The engine's load as the message routers poll (``/internal/load``)."""
     return NodeLoad(
-        running=len(s.running),
-        waiting=len(s.waiting),
-        waiting_for_kv=len(s.remote),
-        free_blocks=s.kv.num_free_blocks,
-        total_blocks=s.kv.pool.num_blocks,
-        pending_prompt_tokens=engine.num_pending_prompt_tokens(),
+        running=load.num_running,
+        waiting=load.num_waiting,
+        waiting_for_kv=load.num_waiting_for_kv,
+        free_blocks=load.num_free_blocks,
+        total_blocks=load.num_blocks,
+        pending_prompt_tokens=load.num_pending_prompt_tokens,
     )
 
 
@@ -164,15 +164,15 @@ class NodeMetrics:
         counter.inc(max(0.0, total - self._last.get(key, 0.0)))
         self._last[key] = total
 
-    def render(self, engine: LLMEngine | None, transfer_bytes: int) -> str:
-        if engine is not None:
-            s = engine.scheduler
-            self.blocks_total.set(s.kv.pool.num_blocks)
-            self.blocks_free.set(s.kv.num_free_blocks)
-            self.running.set(len(s.running))
-            self.waiting.set(len(s.waiting) + len(s.remote))
-            self._advance(self.prompt_tokens, "prompt", engine.num_prompt_tokens_computed)
-            self._advance(self.prefix_hits, "hits", s.num_prefix_hit_tokens)
+    def render(self, load: EngineLoad | None, transfer_bytes: int) -> str:
+        """The metrics text; ``load`` is the engine's (``LLMEngine.load``), None before it started."""
+        if load is not None:
+            self.blocks_total.set(load.num_blocks)
+            self.blocks_free.set(load.num_free_blocks)
+            self.running.set(load.num_running)
+            self.waiting.set(load.num_waiting + load.num_waiting_for_kv)
+            self._advance(self.prompt_tokens, "prompt", load.num_prompt_tokens_computed)
+            self._advance(self.prefix_hits, "hits", load.num_prefix_hit_tokens)
         self._advance(self.transfer_bytes, "bytes", transfer_bytes)
         return self.registry.render()
 
@@ -266,7 +266,7 @@ class NodeState:
         addresses = [s.start(node.kv_transport) for s in self.services]
         transport = kv_transfer.resolve_transport(node.kv_transport)
         self.info = node_info(engine, node, self.role, transport, next((a for a in addresses if a), ""))
-        self.load = node_load(engine)
+        self.load = node_load(engine.load())
         if publish:
             url = f"http://{node.host}:{node.port}"
             self.publisher = IndexPublisher(
@@ -308,7 +308,7 @@ class NodeState:
         self._sweep_deadlines()
         self._publish_block_events()
         # A snapshot for /internal/load: answering a poll must not wait for a long step to end.
-        self.load = node_load(self.engine)
+        self.load = node_load(self.engine.load())
 
     def _publish_block_events(self) -> None:
         if self.publisher is not None:
@@ -317,8 +317,7 @@ class NodeState:
     def end_request(self, request_id: str, status: RequestStatus, message: str) -> None:
         """End a request wherever it is; its subscribers get an error output saying why."""
         engine = self.engine
-        known = request_id in engine.scheduler.requests or request_id in engine.scheduler.held
-        known = known or any(s.holds(request_id) for s in self.services)
+        known = engine.has_request(request_id) or any(s.holds(request_id) for s in self.services)
         self._deadlines.pop(request_id, None)
         for service in self.services:
             service.forget(request_id)
@@ -348,8 +347,8 @@ class NodeState:
 
     def num_waiting(self) -> int:
         """Requests queued on the node: for the running batch, for their KV, for their stream."""
-        s = self.engine.scheduler
-        return len(s.waiting) + len(s.remote) + sum(x.num_waiting for x in self.services)
+        load = self.engine.load()
+        return load.num_waiting + load.num_waiting_for_kv + sum(x.num_waiting for x in self.services)
 
     def check_room(self) -> None:
         """Before queueing a request (engine thread): raises ``NodeRefused`` (429) when the node
@@ -376,15 +375,13 @@ class NodeState:
     def _is_idle(self) -> bool:
         """Nothing left that must finish before the node exits (engine thread; the subscriptions
         are the event loop's, read as one snapshot)."""
-        s = self.engine.scheduler
-        if s.requests or s.held or self.loop.num_unfinished:
+        if self.engine.request_ids() or self.loop.num_unfinished:
             return False
         return not any(x.busy() or x.held_ids() for x in self.services)
 
     def _end_all(self, message: str) -> int:
         """End every request the node holds with an error output (engine thread)."""
-        s = self.engine.scheduler
-        ids = list(s.requests) + list(s.held) + [r for x in self.services for r in x.held_ids()]
+        ids = self.engine.request_ids() + [r for x in self.services for r in x.held_ids()]
         for request_id in dict.fromkeys(ids):
             self.end_request(request_id, RequestStatus.FINISHED_ABORTED, message)
         return len(ids)
@@ -492,9 +489,9 @@ def add_common_routes(app: FastAPI, state: NodeState) -> None:
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(
-            state.metrics.render(state.engine, state.transfer_bytes), media_type=CONTENT_TYPE
-        )
+        # Asked of the engine thread between steps, like any other call into the engine.
+        load = await state.loop.call(lambda e: e.load()) if state.loop is not None else None
+        return PlainTextResponse(state.metrics.render(load, state.transfer_bytes), media_type=CONTENT_TYPE)
 
     @app.get("/internal/info")
     async def info(request: Request):

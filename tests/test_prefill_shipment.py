@@ -1,0 +1,104 @@
+"""The prefill service's shipments, driven without servers: blocks shipped from launched steps,
+the commit after the last one, the engine's pin until the send is over, a refused handshake
+remembered as ``HandshakeRefused``."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import types
+from concurrent.futures import Future
+
+import pytest
+
+from pdserve.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.kv_transfer import KVTransferError
+from pdserve.messages import LandingDescriptor
+from pdserve.prefill_node.server import HandshakeRefused, PrefillService, Shipment, Stage
+from pdserve.sampling_params import SamplingParams
+
+
+class _Sender:
+    def __init__(self) -> None:
+        self.sends: list[tuple[str, list[int], list[int], object, Future]] = []
+        self.handshakes: list[str] = []
+        self.handshake_error: Exception | None = None
+
+    def send(self, address, info, request_id, src, dst, commit, timeout, layer_events=None) -> Future:
+        fut: Future = Future()
+        self.sends.append((request_id, list(src), list(dst), commit, fut))
+        if commit is None:
+            fut.set_result(None)
+        return fut
+
+    def handshake(self, address, info, timeout):
+        self.handshakes.append(address)
+        if self.handshake_error is not None:
+            raise self.handshake_error
+
+
+def _service(engine: LLMEngine | None) -> tuple[PrefillService, list]:
+    commands: list = []
+    state = types.SimpleNamespace(
+        engine=engine,
+        loop=types.SimpleNamespace(
+            submit=commands.append, loop=types.SimpleNamespace(call_soon_threadsafe=lambda fn, *a: None)
+        ),
+        info=None,
+        node=types.SimpleNamespace(kv_transfer_timeout_s=5.0),
+        metrics=types.SimpleNamespace(transfer_seconds=types.SimpleNamespace(observe=lambda s: None)),
+    )
+    service = PrefillService(state)
+    service.sender = _Sender()
+    return service, commands
+
+
+def test_a_chunked_prompt_ships_each_chunk_then_commits_and_is_released_after_the_send():
+    config = EngineConfig.from_kwargs(
+        model="random:tiny",
+        num_kv_blocks=32,
+        block_size=16,
+        max_model_len=256,
+        max_num_batched_tokens=16,
+        num_threads=1,
+    )
+    engine = LLMEngine(config)
+    service, commands = _service(engine)
+    engine.add_launch_listener(service._ship_launched)
+    rid = "p"
+    prompt = list(range(5, 45))  # 40 tokens: 3 blocks, prefilled in chunks of 16
+    engine.add_request(rid, None, SamplingParams(max_tokens=1), prompt_token_ids=prompt, hold_blocks=True)
+    landing = LandingDescriptor(rid, "decode", "tcp://decode", [7, 8, 9], 40, time.time() + 30)
+    service.shipments[rid] = shipment = Shipment(rid, landing, stage=Stage.PREFILLING)
+    while engine.held_block_ids(rid) is None:
+        service.after_step(engine.step())
+    src = engine.held_block_ids(rid)
+    sends = [(s[1], s[2], s[3] is not None) for s in service.sender.sends]
+    assert sends == [([src[0]], [7], False), ([src[1]], [8], False), ([src[2]], [9], False), ([], [], True)]
+    assert shipment.stage is Stage.SENDING and shipment.num_blocks_sent == 3
+    engine.abort_request([rid])  # the proxy gave up: the pin keeps the blocks for the transport
+    assert engine.held_block_ids(rid) == src
+    service.sender.sends[-1][4].set_result(None)
+    (release,) = commands
+    release(engine)
+    assert shipment.stage is Stage.DONE and engine.held_block_ids(rid) is None
+    assert engine.num_free_blocks == 32
+    engine.scheduler.check_integrity()
+
+
+@pytest.mark.parametrize(
+    "error, remembered",
+    [("KV peer tcp://d refused the handshake: dtype mismatch", True), ("no reply from KV peer", False)],
+)
+def test_a_refused_handshake_is_remembered_other_failures_are_retried(error, remembered):
+    async def run() -> None:
+        service, _ = _service(None)
+        service.sender.handshake_error = KVTransferError(error)
+        for _ in range(2):
+            with pytest.raises(KVTransferError) as info:
+                await service.handshake("tcp://d")
+            assert isinstance(info.value, HandshakeRefused) == remembered and str(info.value) == error
+        assert len(service.sender.handshakes) == (1 if remembered else 2)
+
+    asyncio.run(run())
