@@ -4,21 +4,22 @@ The API has two halves.
 
 **Scheduler side** (decode node, in its engine thread):
 
-* ``Scheduler.reserve_remote`` allocates blocks for a prompt and the node records them
+* ``LLMEngine.reserve_remote`` allocates blocks for a prompt and the node records them
   in a ``ReservationTable`` under a **lease** (a deadline). The landing descriptor
   (request id, block ids, transport address) goes back to the proxy, which hands it
   to the prefill node.
 * When the transport reports the request **committed** (every block written, first
-  token received), ``Scheduler.remote_kv_landed`` moves it into the running queue.
+  token received), ``LLMEngine.remote_kv_landed`` moves it into the running queue.
 * **Abort** (client gone, proxy gives up) or **lease expiry**: the engine thread
   releases the reservation *first* (after which the receiver rejects every late
   frame for it) and only then frees the blocks. Blocks are therefore never written
   after they were freed, and a request never runs on partial KV.
 * Who frees: the decode node frees what it reserved (on finish, abort or expiry);
-  the prefill node frees its own blocks (``Scheduler.release_held``) only once the send's
-  future has resolved, either way, since a transport may read them in place until then, or
-  keeps them as prefix cache. A request whose send failed is never committed, so the blocks
-  may be reused at once even if the peer still reads them.
+  the prefill node frees its own blocks (``LLMEngine.release_held``; ``pin_held`` keeps them
+  while a send may read them) only once the send's future has resolved, either way, since a
+  transport may read them in place until then, or keeps them as prefix cache. A request whose
+  send failed is never committed, so the blocks may be reused at once even if the peer still
+  reads them.
 
 **Worker side** (the backends; they move bytes and never touch scheduler state):
 
@@ -69,6 +70,7 @@ from collections.abc import Sequence
 
 from pdserve.kv_transfer import nccl_backend, nixl_backend, zmq_backend
 from pdserve.kv_transfer.base import (
+    KVHandshakeRefused,
     KVReceiver,
     KVRefused,
     KVSender,
@@ -85,6 +87,7 @@ from pdserve.kv_transfer.zmq_backend import ZmqOptions
 
 __all__ = [
     "KVReceiver",
+    "KVHandshakeRefused",
     "KVRefused",
     "KVSender",
     "KVTransferError",

@@ -24,6 +24,12 @@ class KVTransferError(RuntimeError):
     """A transfer or handshake failed; the message says why."""
 
 
+class KVHandshakeRefused(KVTransferError):
+    """The peer answered the handshake or the transport set-up and refused it (incompatible nodes,
+    a wrong cluster token, no transport in common): nothing changes that until a node restarts, so
+    the sender remembers it for that peer instead of trying again."""
+
+
 class KVRefused(KVTransferError):
     """The peer answered and refused the request (its lease ran out, its blocks are not reserved,
     a READ of it was refused): the connection is in a known state and stays up."""

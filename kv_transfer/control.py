@@ -48,6 +48,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from pdserve.kv_transfer.base import (
+    KVHandshakeRefused,
     KVReceiver,
     KVRefused,
     KVSender,
@@ -498,14 +499,14 @@ class _Peer(ControlLink):
         reply = self.recv(deadline, KVHandshakeReply, resend=hello)
         if not reply.ok:
             self.refused = f"KV peer {self.address} refused the handshake: {reply.error}"
-            raise KVTransferError(self.refused)
+            raise KVHandshakeRefused(self.refused)
         offers = [o for o in (plane.offer() for plane in self.sender.planes.values()) if o is not None]
         setup = KVSetup(session=uuid.uuid4().hex, transports=list(self.sender.transports), offers=offers)
         self.send([encode(setup)], deadline)
         chosen = self.recv(deadline, KVSetupReply)
         if not chosen.ok:
             self.refused = f"KV peer {self.address} refused the transport set-up: {chosen.error}"
-            raise KVTransferError(self.refused)
+            raise KVHandshakeRefused(self.refused)
         plane = self.sender.planes.get(chosen.transport)
         if plane is None:
             raise KVTransferError(f"KV peer {self.address} chose {chosen.transport!r}, which was not offered")
@@ -515,7 +516,7 @@ class _Peer(ControlLink):
 
     def _do(self, job: _Job):
         if self.refused:
-            raise KVTransferError(self.refused)
+            raise KVHandshakeRefused(self.refused)
         deadline = time.monotonic() + job.timeout
         self._waiting_for = ""
         if self.sock is None:

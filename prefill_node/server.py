@@ -43,7 +43,7 @@ from pdserve.config import EngineConfig, NodeConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.outputs import LaunchedChunk, RequestOutput
 from pdserve.engine.request import RequestStatus
-from pdserve.kv_transfer import KVRefused, KVTransferError
+from pdserve.kv_transfer import KVHandshakeRefused, KVTransferError
 from pdserve.kv_transfer.messages import KVCommit
 from pdserve.messages import (
     LandingDescriptor,
@@ -106,17 +106,6 @@ class Shipment:
     they may have been reused before they were read, and are shipped again."""
 
 
-class HandshakeRefused(KVTransferError):
-    """The decode node answered the handshake and refused it: remembered, repeated for every
-    request to that node, never retried."""
-
-
-def _is_refusal(e: KVTransferError) -> bool:
-    """Whether a failed handshake was refused by the peer. The transports raise a plain
-    ``KVTransferError`` for that today, so this is the one place that tells it by its message."""
-    return isinstance(e, KVRefused) or "refused" in str(e)
-
-
 class PrefillService(NodeService):
     """Computes prompts whose decode happens on another node, and ships their KV there."""
 
@@ -150,23 +139,18 @@ class PrefillService(NodeService):
     # -- event loop ----------------------------------------------------------------------------
 
     async def handshake(self, address: str) -> None:
-        """Once per decode node; a refusal (``HandshakeRefused``) is remembered and repeated for
+        """Once per decode node; a refusal (``KVHandshakeRefused``) is remembered and repeated for
         every request, other failures are tried again by the next request."""
         fut = self._handshakes.get(address)
         if fut is None or (
-            fut.done() and fut.exception() is not None and not isinstance(fut.exception(), HandshakeRefused)
+            fut.done() and fut.exception() is not None and not isinstance(fut.exception(), KVHandshakeRefused)
         ):
             fut = self._handshakes[address] = asyncio.ensure_future(self._handshake(address))
         await asyncio.shield(fut)
 
     async def _handshake(self, address: str) -> None:
         timeout = self.state.node.kv_transfer_timeout_s
-        try:
-            await asyncio.to_thread(self.sender.handshake, address, self.state.info, timeout)
-        except KVTransferError as e:
-            if _is_refusal(e):
-                raise HandshakeRefused(str(e)) from e
-            raise
+        await asyncio.to_thread(self.sender.handshake, address, self.state.info, timeout)
 
     def open(self, msg: PrefillRequest) -> Shipment:
         """Track a prompt from its admission on: its lease is renewed from now. Raises ValueError

@@ -1,6 +1,6 @@
 """The prefill service's shipments, driven without servers: blocks shipped from launched steps,
 the commit after the last one, the engine's pin until the send is over, a refused handshake
-remembered as ``HandshakeRefused``."""
+remembered as ``KVHandshakeRefused``."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import pytest
 
 from pdserve.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.kv_transfer import KVTransferError
+from pdserve.kv_transfer import KVHandshakeRefused, KVTransferError
 from pdserve.messages import LandingDescriptor
-from pdserve.prefill_node.server import HandshakeRefused, PrefillService, Shipment, Stage
+from pdserve.prefill_node.server import PrefillService, Shipment, Stage
 from pdserve.sampling_params import SamplingParams
 
 
@@ -89,16 +89,20 @@ def test_a_chunked_prompt_ships_each_chunk_then_commits_and_is_released_after_th
 
 @pytest.mark.parametrize(
     "error, remembered",
-    [("KV peer tcp://d refused the handshake: dtype mismatch", True), ("no reply from KV peer", False)],
+    [
+        (KVHandshakeRefused("KV peer tcp://d refused the handshake: dtype mismatch"), True),
+        (KVTransferError("no reply from KV peer"), False),
+        (KVTransferError("KV peer tcp://d: Connection refused"), False),  # not the peer's answer
+    ],
 )
 def test_a_refused_handshake_is_remembered_other_failures_are_retried(error, remembered):
     async def run() -> None:
         service, _ = _service(None)
-        service.sender.handshake_error = KVTransferError(error)
+        service.sender.handshake_error = error
         for _ in range(2):
             with pytest.raises(KVTransferError) as info:
                 await service.handshake("tcp://d")
-            assert isinstance(info.value, HandshakeRefused) == remembered and str(info.value) == error
+            assert isinstance(info.value, KVHandshakeRefused) == remembered and info.value is error
         assert len(service.sender.handshakes) == (1 if remembered else 2)
 
     asyncio.run(run())

@@ -218,7 +218,7 @@ def decode_tok_s(llm: LLM, batch: int, prompt_len: int, new_tokens: int, vocab: 
     the difference is the decode steps alone; a warm-up run first compiles every kernel.
     """
     prompts = [{"prompt_token_ids": ids} for ids in decode_prompts(batch, prompt_len, vocab)]
-    reset = llm.engine.scheduler.kv.pool.reset_prefix_cache
+    reset = llm.engine.reset_prefix_cache
 
     def timed(max_tokens: int) -> float:
         assert reset(), "the prefix cache can only be reset while no request runs"
@@ -313,7 +313,7 @@ def prefill_tok_s(llm: LLM, hf_model, n: int, vocab: int, repeats: int = 3) -> t
     params = SamplingParams(temperature=0.0, max_tokens=1)
 
     def ours_once() -> float:
-        llm.engine.scheduler.kv.pool.reset_prefix_cache()
+        assert llm.engine.reset_prefix_cache()
         t = _sync_time()
         llm.generate({"prompt_token_ids": ids}, params)
         return n / (_sync_time() - t)

@@ -338,6 +338,11 @@ class LLMEngine:
         """KV blocks free now (evictable prefix cache included)."""
         return self.scheduler.kv.num_free_blocks
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block (as vLLM's ``reset_prefix_cache``), so the next prompts
+        compute everything; refused (False) while any block is in use."""
+        return self.scheduler.kv.pool.reset_prefix_cache()
+
     def blocks_for_tokens(self, num_tokens: int) -> int:
         """KV blocks that ``num_tokens`` tokens take."""
         return cdiv(num_tokens, self.config.cache.block_size)
