@@ -44,6 +44,7 @@ from pdserve.model_source import resolve_model
 from pdserve.proxy.config import ProxyConfig
 from pdserve.proxy.dispatch import Dispatcher, Generation
 from pdserve.proxy.node_client import make_http_client
+from pdserve.proxy.overload import LoopLag
 from pdserve.proxy.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -178,6 +179,15 @@ class ProxyMetrics:
         self.node_up = registry.gauge(
             "pdserve_node_up", "1 when the node answers and is compatible.", ["role", "node"], merge="max"
         )
+        self.loop_lag = registry.gauge(
+            "pdserve_proxy_event_loop_lag_seconds",
+            "How late this proxy's event loop runs (a late wake-up, decaying); past --max-loop-lag-s new "
+            "requests wait.",
+            merge="max",
+        )
+        self.admission_waiting = registry.gauge(
+            "pdserve_proxy_admission_waiting", "Requests waiting for the proxy's event loop to catch up."
+        )
         self.node_inflight = registry.gauge(
             "pdserve_node_requests_in_flight", "This proxy's requests on the node.", ["role", "node"]
         )
@@ -279,6 +289,13 @@ class Gate:
             message = f"the proxy is at its limit of {cfg.max_inflight_requests} requests in flight"
             await self._refuse(scope, send, ProxyError(429, message, code="too_many_requests", retry_after=1))
             return
+        if generation and cfg.max_loop_lag_s and not await self.proxy.lag.admit(cfg.admission_wait_s):
+            message = (
+                f"the proxy is overloaded: its event loop ran {self.proxy.lag.lag * 1000:.0f} ms late for "
+                f"{cfg.admission_wait_s:g} s"
+            )
+            await self._refuse(scope, send, ProxyError(429, message, code="too_many_requests", retry_after=1))
+            return
         limit = cfg.max_request_body_bytes
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > limit:
@@ -349,6 +366,9 @@ class Proxy:
         self.shared_metrics = shared_metrics  # set in a worker of several: /metrics answers for all
         self.registry = Registry()
         self.metrics = ProxyMetrics(self.registry)
+        self.lag = LoopLag(config.max_loop_lag_s)  # admission by this process's own capacity
+        self.metrics.loop_lag.set_function(lambda: self.lag.lag)
+        self.metrics.admission_waiting.set_function(lambda: self.lag.num_waiting)
         self.num_inflight = 0  # generation requests past the Gate, streams until their last byte
         self.metrics.admitted.set_function(lambda: self.num_inflight)
         self.tokenizer = None
@@ -405,6 +425,8 @@ class Proxy:
             cfg.routing,
             max_migrations=cfg.max_migrations,
         )
+        if cfg.max_loop_lag_s:
+            self.lag.start()
         self.started = True
         logger.info(
             "proxy ready: model %s (served as %s), max_model_len %d, %d prefill and %d decode nodes",
@@ -416,6 +438,7 @@ class Proxy:
         )
 
     async def close(self) -> None:
+        await self.lag.stop()
         if self.dispatcher is not None:
             await self.dispatcher.close()
         if self.router is not None:

@@ -85,7 +85,12 @@ class ProxyConfig:
     """max_tokens of a chat completion that sets none (a /v1/completions request without one gets
     OpenAI's 16); the rest of the context caps it further."""
     admission_wait_s: float = 5.0
-    """How long a request waits for free KV blocks on some decode node before a 429."""
+    """How long a request waits for free KV blocks on some decode node, or for this proxy's own
+    event loop to catch up (--max-loop-lag-s), before a 429."""
+    max_loop_lag_s: float = 0.2
+    """Past its capacity a proxy's event loop runs late for every stream it relays: while it runs
+    later than this, new requests wait in a FIFO queue (admitted one by one as it catches up, a
+    429 after --admission-wait-s) and the streams already admitted keep their pace. 0: never wait."""
     max_migrations: int = 2
     """How many times one request may move to other nodes after a node died under it: a decode
     node that dies mid-stream (the request resumes on another decode node from its prompt plus
@@ -128,6 +133,8 @@ class ProxyConfig:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
         if self.max_migrations < 0:
             raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations}")
+        if self.max_loop_lag_s < 0:
+            raise ValueError(f"max_loop_lag_s must be >= 0, got {self.max_loop_lag_s}")
         if self.admission_wait_s < 0:
             raise ValueError(f"admission_wait_s must be >= 0, got {self.admission_wait_s}")
         for name in ("max_request_body_bytes", "max_inflight_requests"):
