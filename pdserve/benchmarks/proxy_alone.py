@@ -218,7 +218,7 @@ def _run_client(
                 reader, writer = await asyncio.open_connection("127.0.0.1", port)
             started = time.monotonic()
             writer.write(request)
-            tail, ok, cut = b"", False, False
+            tail, ok, cut, first = b"", False, False, True
             while True:
                 left = until + GRACE_S - time.monotonic()
                 try:  # a stream still open GRACE_S after the window is cut off
@@ -227,6 +227,13 @@ def _run_client(
                     chunk, cut = b"", True
                 if not chunk:
                     break
+                if first and not chunk.startswith(b"HTTP/1.1 200"):  # refused (429): as its Retry-After says
+                    totals["rejected"] += 1
+                    writer.close()
+                    writer = None
+                    await asyncio.sleep(1.0)
+                    break
+                first = False
                 seen = tail + chunk
                 now = time.monotonic()
                 if measure_from <= now < until:  # tokens that arrive within the measured window
@@ -245,7 +252,7 @@ def _run_client(
             if ok and started >= measure_from:
                 totals["streams"] += 1
                 totals["durations"].append(time.monotonic() - started)
-            elif not ok:
+            elif not ok and writer is not None:
                 totals["cut_off" if cut else "failed"] += 1
                 writer.close()
                 writer = None
@@ -253,7 +260,8 @@ def _run_client(
             writer.close()
 
     async def main() -> dict:
-        totals = {"tokens": 0, "streams": 0, "failed": 0, "cut_off": 0, "errors": 0, "durations": []}
+        totals = {"tokens": 0, "streams": 0, "failed": 0, "cut_off": 0, "rejected": 0, "errors": 0}
+        totals["durations"] = []
         await asyncio.gather(*(user(i, totals) for i in range(streams)))
         return totals
 
@@ -374,6 +382,7 @@ def run_point(args, prefill_url: str, decode_urls: list[str], workers: int, conc
         "streams_completed": sum(t["streams"] for t in totals),
         "streams_failed": sum(t["failed"] for t in totals),
         "streams_cut_off": sum(t["cut_off"] for t in totals),  # still open GRACE_S after the window
+        "requests_rejected": sum(t["rejected"] for t in totals),  # 429: the client waits 1 s, sends again
         "error_events": sum(t["errors"] for t in totals),
         "stream_s_p50": statistics.median(durations) if durations else None,
         "stream_s_p90": durations[int(0.9 * (len(durations) - 1))] if durations else None,
@@ -428,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"{row['proxy_cpu_us_per_token'] or 0:.0f} us CPU/token, "
                     f"stream p50 {row['stream_s_p50'] or 0:.2f} s "
                     f"(ideal {row['stream_ideal_s']:.2f}), failed {row['streams_failed']}, "
-                    f"cut off {row['streams_cut_off']}, "
+                    f"cut off {row['streams_cut_off']}, rejected {row['requests_rejected']}, "
                     f"migrations {row['migrations']}",
                     flush=True,
                 )
