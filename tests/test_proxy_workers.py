@@ -68,6 +68,24 @@ def test_workers_share_the_port_and_metrics(cluster):
     assert node_up and all(v == 1.0 for v in node_up)  # merged by max, not summed
 
 
+def test_a_second_proxy_on_the_port_fails_before_starting(cluster):
+    """Workers share the port through SO_REUSEPORT; the supervisor's lone bind first keeps another
+    `pdserve proxy` (of the same user, who could join the group) off a port in use."""
+    import subprocess
+    import sys
+
+    port = _proxy(cluster).url.rsplit(":", 1)[1]
+    proc = subprocess.run(
+        [sys.executable, "-m", "pdserve", "proxy", "--port", port, "--workers", "2"]
+        + ["--decode-urls", "127.0.0.1:1", "--redis-url", ""],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode != 0
+    assert f"cannot listen on 127.0.0.1:{port}" in proc.stderr and "Traceback" not in proc.stderr
+
+
 def test_sigterm_drains_every_worker(cluster):
     """A stream in flight when the supervisor gets SIGTERM still finishes; then every process exits."""
     proxy = _proxy(cluster)
