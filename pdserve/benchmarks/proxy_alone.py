@@ -32,6 +32,7 @@ import json
 import multiprocessing
 import os
 import platform
+import shlex
 import signal
 import socket
 import statistics
@@ -326,7 +327,7 @@ def run_point(args, prefill_url: str, decode_urls: list[str], workers: int, conc
     port = _free_port()
     cmd = [sys.executable, "-m", "pdserve", "proxy", "--port", str(port), "--model", "default"]
     cmd += ["--prefill-urls", prefill_url, "--decode-urls", ",".join(decode_urls), "--workers", str(workers)]
-    cmd += ["--max-inflight-requests", "100000", "--routing", "least-loaded"]
+    cmd += ["--max-inflight-requests", "100000", "--routing", "least-loaded", *shlex.split(args.proxy_flags)]
     proxy = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -406,6 +407,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--client-processes", type=int, default=4)
     p.add_argument("--warmup-s", type=float, default=2.0)
     p.add_argument("--duration-s", type=float, default=8.0)
+    p.add_argument("--proxy-flags", default="", help='more flags for the proxy, e.g. "--max-loop-lag-s 0.05"')
     p.add_argument("--output", default="", help="JSON path (default: print only)")
     args = p.parse_args(argv)
     workers = [int(w) for w in args.workers.split(",")]
