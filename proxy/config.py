@@ -87,7 +87,7 @@ class ProxyConfig:
     admission_wait_s: float = 5.0
     """How long a request waits for free KV blocks on some decode node, or for this proxy's own
     event loop to catch up (--max-loop-lag-s), before a 429."""
-    max_loop_lag_s: float = 0.2
+    max_loop_lag_s: float = 0.05
     """Past its capacity a proxy's event loop runs late for every stream it relays: while it runs
     later than this, new requests wait in a FIFO queue (admitted one by one as it catches up, a
     429 after --admission-wait-s) and the streams already admitted keep their pace. 0: never wait."""
