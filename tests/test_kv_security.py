@@ -20,8 +20,7 @@ import pytest
 import torch
 import zmq
 
-from pdserve.cluster import ClusterConfig, LocalCluster, free_port
-from pdserve.config import ModelConfig
+from pdserve.cluster import LocalCluster
 from pdserve.kv_transfer.messages import (
     KVAck,
     KVBlocks,
@@ -49,22 +48,14 @@ MSGPACK = {"content-type": "application/msgpack"}
 
 
 @pytest.fixture(scope="module")
-def cluster(default_model_dir, tmp_path_factory):
-    cfg = ClusterConfig(
-        port=free_port(),
-        threads_per_node=1,
-        log_dir=str(tmp_path_factory.mktemp("logs")),
+def cluster(start_cluster):
+    with start_cluster(
         cluster_token=TOKEN,
         redis_url="none",
         min_remote_prefill_tokens=0,
         extra_node_flags="--kv-transport zmq",
-    )
-    c = LocalCluster(cfg, [], ModelConfig())
-    try:
-        c.start()
+    ) as c:
         yield c
-    finally:
-        c.stop()
 
 
 def _node(c: LocalCluster, role: str):

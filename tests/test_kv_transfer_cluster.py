@@ -9,8 +9,7 @@ import httpx
 import pytest
 
 from pdserve import LLM, SamplingParams, kv_transfer
-from pdserve.cluster import ClusterConfig, LocalCluster, free_port
-from pdserve.config import ModelConfig
+from pdserve.cluster import LocalCluster
 from pdserve.messages import NodeLoad, decode
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -31,19 +30,14 @@ MAX_TOKENS = 16
         "nccl",
     ],
 )
-def cluster(request, default_model_dir, tmp_path_factory):
-    cfg = ClusterConfig(port=free_port(), threads_per_node=1, log_dir=str(tmp_path_factory.mktemp("logs")))
+def cluster(request, start_cluster):
     flags = ["--kv-transport", request.param, "--max-num-batched-tokens", "128"]
     if request.param == "nccl":
         # Nodes on the CPU schedule synchronously by default; run the async engine loop here:
         # prefill chunks shipped while the next step runs, landings, late stops, streaming.
         flags.append("--async-scheduling")
-    c = LocalCluster(cfg, flags, ModelConfig())
-    try:
-        c.start()
+    with start_cluster(flags) as c:
         yield request.param, c
-    finally:
-        c.stop()
 
 
 @pytest.fixture(scope="module")

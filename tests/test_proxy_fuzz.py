@@ -25,8 +25,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from pdserve.cluster import ClusterConfig, LocalCluster, free_port
-from pdserve.config import ModelConfig
+from pdserve.cluster import LocalCluster
 from pdserve.messages import NodeLoad, decode
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -35,21 +34,14 @@ ROUTES = ["/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/
 
 
 @pytest.fixture(scope="module")
-def cluster(default_model_dir, tmp_path_factory):
-    cfg = ClusterConfig(
-        port=free_port(),
-        threads_per_node=1,
-        log_dir=str(tmp_path_factory.mktemp("logs")),
+def cluster(start_cluster):
+    with start_cluster(
+        ["--max-model-len", "512"],
         redis_url="none",
         min_remote_prefill_tokens=0,
         extra_proxy_flags="--default-max-tokens 8 --max-request-body-bytes 262144",
-    )
-    c = LocalCluster(cfg, ["--max-model-len", "512"], ModelConfig())
-    try:
-        c.start()
+    ) as c:
         yield c
-    finally:
-        c.stop()
 
 
 def _load(node_url: str) -> NodeLoad:

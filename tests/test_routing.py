@@ -7,8 +7,6 @@ import httpx
 import pytest
 
 from pdserve import LLM, SamplingParams
-from pdserve.cluster import ClusterConfig, LocalCluster, free_port
-from pdserve.config import ModelConfig
 from pdserve.metrics import parse_text
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -18,21 +16,9 @@ SYSTEM = "You are a careful assistant who answers in one short sentence. " * 8  
 
 
 @pytest.fixture(scope="module")
-def cluster(default_model_dir, tmp_path_factory):
-    cfg = ClusterConfig(
-        port=free_port(),
-        prefill_nodes=1,
-        decode_nodes=1,
-        both_nodes=1,
-        threads_per_node=1,
-        log_dir=str(tmp_path_factory.mktemp("logs")),
-    )
-    c = LocalCluster(cfg, [], ModelConfig())
-    try:
-        c.start()
+def cluster(start_cluster):
+    with start_cluster(prefill_nodes=1, decode_nodes=1, both_nodes=1) as c:
         yield c
-    finally:
-        c.stop()
 
 
 @pytest.fixture(scope="module")
