@@ -15,48 +15,36 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from pdserve.cluster import free_port
+from tests.procs import alive, children_of
 
 
-def children_of(pid: int) -> list[int]:
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            out.append(int(stat.parent.name))
-    return out
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
-def test_killed_launcher_leaves_no_processes(tmp_path):
+def start_up(tmp_path: Path, **popen) -> tuple[subprocess.Popen, int]:
+    """`pdserve up` on random:tiny (no Redis), once its proxy answers /health: (process, port)."""
     port = free_port()
     up = subprocess.Popen(
         [sys.executable, "-m", "pdserve", "up", "--port", str(port), "--model", "random:tiny"]
         + ["--threads-per-node", "1", "--redis-url", "none", "--log-dir", str(tmp_path)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        **popen,
     )
+    deadline = time.monotonic() + 180
+    while True:
+        if up.poll() is not None:
+            raise AssertionError("pdserve up exited")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    return up, port
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            up.kill()
+            raise AssertionError("cluster did not come up")
+        time.sleep(0.5)
+
+
+def test_killed_launcher_leaves_no_processes(tmp_path):
+    up, _ = start_up(tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert up.poll() is None, "pdserve up exited"
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, "cluster did not come up"
-            time.sleep(0.5)
         kids = children_of(up.pid)
         assert len(kids) == 3  # prefill, decode, proxy
         os.kill(up.pid, signal.SIGKILL)
@@ -75,10 +63,8 @@ def test_up_exits_promptly_after_serving(tmp_path):
     proxy, then both nodes, waiting for each in turn (it would SIGKILL only after 45 s), so every
     node also drained and exited within 5 s of its SIGTERM. (A prefill node kept each prompt's
     output slot after it was read and waited its 30 s drain timeout out: ~37 s.)"""
-    port = free_port()
-    up = subprocess.Popen(
-        [sys.executable, "-m", "pdserve", "up", "--port", str(port), "--model", "random:tiny"]
-        + ["--threads-per-node", "1", "--redis-url", "none", "--log-dir", str(tmp_path)],
+    up, port = start_up(
+        tmp_path,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -86,17 +72,6 @@ def test_up_exits_promptly_after_serving(tmp_path):
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
     )
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert up.poll() is None, "pdserve up exited"
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, "cluster did not come up"
-            time.sleep(0.5)
         kids = children_of(up.pid)
         body = {"model": "random:tiny", "prompt": "hello there", "max_tokens": 4, "temperature": 0}
 

@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from pdserve.metrics import parse_text
+from tests.procs import alive, children_of
 
 MODEL = "SmolLM2-135M-Instruct"
 WORKERS = 2
@@ -28,18 +29,6 @@ def _proxy(cluster):
     return next(c for c in cluster.children if c.role.startswith("proxy"))
 
 
-def _workers(pid: int) -> list[int]:
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid and fields[0] != "Z":
-            out.append(int(stat.parent.name))
-    return out
-
-
 def _complete(url: str, prompt: str, max_tokens: int = 8) -> str:
     body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
     with httpx.Client(timeout=120) as client:  # a connection of its own: any worker may take it
@@ -50,7 +39,7 @@ def _complete(url: str, prompt: str, max_tokens: int = 8) -> str:
 
 def test_workers_share_the_port_and_metrics(cluster):
     proxy = _proxy(cluster)
-    assert len(_workers(proxy.proc.pid)) == WORKERS
+    assert len(children_of(proxy.proc.pid)) == WORKERS
     prompts = [f"Count to {i}:" for i in range(4)] * 4
     with ThreadPoolExecutor(8) as pool:
         texts = list(pool.map(lambda p: _complete(proxy.url, p), prompts))
@@ -89,7 +78,7 @@ def test_a_second_proxy_on_the_port_fails_before_starting(cluster):
 def test_sigterm_drains_every_worker(cluster):
     """A stream in flight when the supervisor gets SIGTERM still finishes; then every process exits."""
     proxy = _proxy(cluster)
-    workers = _workers(proxy.proc.pid)
+    workers = children_of(proxy.proc.pid)
     result: dict = {}
 
     def stream() -> None:
@@ -125,11 +114,4 @@ def test_sigterm_drains_every_worker(cluster):
     assert not any('"error"' in e for e in result["events"])
     proxy.proc.wait(timeout=30)
     assert proxy.proc.returncode == 0
-    assert not any(Path(f"/proc/{w}").exists() and _alive(w) for w in workers)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    assert not any(Path(f"/proc/{w}").exists() and alive(w) for w in workers)
