@@ -375,7 +375,6 @@ class Proxy:
         self.token_strings = TokenStrings(None)
         self.model_id = ""
         self.served_names: tuple[str, ...] = ()
-        self.http = None
         self.router: Router | None = None
         self.dispatcher: Dispatcher | None = None
         self.started = False
@@ -396,11 +395,10 @@ class Proxy:
         self.token_strings = TokenStrings(self.tokenizer)
         self.model_id = source.model_id
         self.served_names = tuple(dict.fromkeys(n for n in (cfg.served_model_name, source.model_id) if n))
-        self.http = make_http_client()
         self.router = Router(
             cfg.prefill_urls,
             cfg.decode_urls,
-            self.http,
+            make_http_client,
             cfg.cluster_token,
             POLICIES[cfg.routing](),
             cfg.load_poll_interval_s,
@@ -411,7 +409,7 @@ class Proxy:
         try:
             await self.router.start(source.model_id, cfg.startup_timeout_s)
         except BaseException:
-            await self.http.aclose()
+            await self.router.close()
             raise
         for node in self.router.nodes:
             self.metrics.node_up.labels(node.role, node.url).set_function(lambda n=node: float(n.available))
@@ -443,8 +441,6 @@ class Proxy:
             await self.dispatcher.close()
         if self.router is not None:
             await self.router.close()
-        if self.http is not None:
-            await self.http.aclose()
         self.started = False
 
     # -- request handling --------------------------------------------------------------------

@@ -41,7 +41,7 @@ def router(prefill: list[NodeInfo], decode: list[NodeInfo]) -> Router:
     r = Router(
         [f"http://p{i}" for i in range(len(prefill))],
         [f"http://d{i}" for i in range(len(decode))],
-        httpx.AsyncClient(),
+        httpx.AsyncClient,
     )
     for node, i in zip(r.nodes, prefill + decode):
         node.info = i
@@ -153,7 +153,7 @@ def test_conditional_disaggregation_plan():
     from pdserve.metrics import Registry
     from pdserve.proxy.dispatch import Dispatcher
 
-    r = Router(["http://p0"], ["http://d0"], httpx.AsyncClient(), both_urls=["http://b0"])
+    r = Router(["http://p0"], ["http://d0"], httpx.AsyncClient, both_urls=["http://b0"])
     for node, i in zip(r.nodes, [info("prefill"), info("decode", node_id="d0"), info("both", node_id="b0")]):
         node.info, node.up = i, True
     p0, (d0, b0) = r.prefill[0], r.decode
