@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 import sys
+from pathlib import Path
 
 
 def cdiv(a: int, b: int) -> int:
@@ -19,3 +20,23 @@ def die_with_parent(signum: int = signal.SIGTERM) -> None:
 
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, signum)  # PR_SET_PDEATHSIG
+
+
+def child_pids(pid: int) -> list[int]:
+    """The processes whose parent is ``pid``, zombies included (Linux: read from /proc)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(stat.parent.name))
+        except (OSError, ValueError, IndexError):  # gone meanwhile
+            continue
+    return out
+
+
+def is_alive(pid: int) -> bool:
+    """Whether ``pid`` runs: it exists and is no zombie (Linux: read from /proc)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from pdserve.cluster import free_port
-from tests.procs import alive, children_of
+from pdserve.utils import child_pids, is_alive
 
 
 def start_up(tmp_path: Path, **popen) -> tuple[subprocess.Popen, int]:
@@ -45,13 +45,13 @@ def start_up(tmp_path: Path, **popen) -> tuple[subprocess.Popen, int]:
 def test_killed_launcher_leaves_no_processes(tmp_path):
     up, _ = start_up(tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        kids = children_of(up.pid)
+        kids = child_pids(up.pid)
         assert len(kids) == 3  # prefill, decode, proxy
         os.kill(up.pid, signal.SIGKILL)
         up.wait()
         deadline = time.monotonic() + 20
-        while any(alive(k) for k in kids):
-            assert time.monotonic() < deadline, f"left behind: {[k for k in kids if alive(k)]}"
+        while any(is_alive(k) for k in kids):
+            assert time.monotonic() < deadline, f"left behind: {[k for k in kids if is_alive(k)]}"
             time.sleep(0.2)
     finally:
         if up.poll() is None:
@@ -72,7 +72,7 @@ def test_up_exits_promptly_after_serving(tmp_path):
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
     )
     try:
-        kids = children_of(up.pid)
+        kids = child_pids(up.pid)
         body = {"model": "random:tiny", "prompt": "hello there", "max_tokens": 4, "temperature": 0}
 
         def one(i: int) -> int:
@@ -91,7 +91,7 @@ def test_up_exits_promptly_after_serving(tmp_path):
         up.wait(timeout=30)
         took = time.monotonic() - started
         assert took < 5.0, f"pdserve up took {took:.1f} s to exit after SIGINT"
-        assert not any(alive(k) for k in kids)
+        assert not any(is_alive(k) for k in kids)
         assert "stopping" in up.stdout.read()
     finally:
         if up.poll() is None:

@@ -7,13 +7,12 @@ import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import pytest
 
 from pdserve.metrics import parse_text
-from tests.procs import alive, children_of
+from pdserve.utils import child_pids, is_alive
 
 MODEL = "SmolLM2-135M-Instruct"
 WORKERS = 2
@@ -39,7 +38,7 @@ def _complete(url: str, prompt: str, max_tokens: int = 8) -> str:
 
 def test_workers_share_the_port_and_metrics(cluster):
     proxy = _proxy(cluster)
-    assert len(children_of(proxy.proc.pid)) == WORKERS
+    assert len(child_pids(proxy.proc.pid)) == WORKERS
     prompts = [f"Count to {i}:" for i in range(4)] * 4
     with ThreadPoolExecutor(8) as pool:
         texts = list(pool.map(lambda p: _complete(proxy.url, p), prompts))
@@ -78,7 +77,7 @@ def test_a_second_proxy_on_the_port_fails_before_starting(cluster):
 def test_sigterm_drains_every_worker(cluster):
     """A stream in flight when the supervisor gets SIGTERM still finishes; then every process exits."""
     proxy = _proxy(cluster)
-    workers = children_of(proxy.proc.pid)
+    workers = child_pids(proxy.proc.pid)
     result: dict = {}
 
     def stream() -> None:
@@ -114,4 +113,4 @@ def test_sigterm_drains_every_worker(cluster):
     assert not any('"error"' in e for e in result["events"])
     proxy.proc.wait(timeout=30)
     assert proxy.proc.returncode == 0
-    assert not any(Path(f"/proc/{w}").exists() and alive(w) for w in workers)
+    assert not any(is_alive(w) for w in workers)

@@ -42,6 +42,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from pdserve.utils import child_pids
+
 GRACE_S = 5.0
 """After the measured window, how long a client waits for the streams it has open."""
 MODEL = "SmolLM2-135M-Instruct"  # the default model's id: the proxy loads its tokenizer
@@ -290,17 +292,6 @@ def _cpu_seconds(pids: list[int]) -> float:
     return total
 
 
-def _process_tree(pid: int) -> list[int]:
-    out = [pid]
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(int(stat.parent.name))
-        except (OSError, ValueError, IndexError):
-            continue
-    return out
-
-
 def _get(url: str, timeout: float = 10) -> str:
     with urllib.request.urlopen(url, timeout=timeout) as r:
         return r.read().decode()
@@ -350,7 +341,7 @@ def run_point(args, prefill_url: str, decode_urls: list[str], workers: int, conc
         for p in procs:
             p.start()
         time.sleep(max(0.0, measure_from - time.monotonic()))
-        pids = _process_tree(proxy.pid)
+        pids = [proxy.pid, *child_pids(proxy.pid)]  # the supervisor and its workers
         cpu0, t0 = _cpu_seconds(pids), time.monotonic()
         time.sleep(max(0.0, until - time.monotonic()))
         cpu1, t1 = _cpu_seconds(pids), time.monotonic()
