@@ -2,13 +2,14 @@
 
 Per request (see pdserve/messages.py for the numbered protocol):
 
-1. ``POST /internal/reserve``: the engine reserves blocks for the prompt
+1. ``ReserveRequest`` (a call on the request channel): the engine reserves blocks for the prompt
    (``WAITING_FOR_REMOTE_KV``) and the reservation table records them with a deadline;
    the answer is the landing descriptor. Subscribing to the request's outputs happens
    here too, so no token can be produced before someone listens. With ``local_prefill``
    the prompt is queued here instead (a short prompt, most of it cached here, or a
    co-located node): no KV arrives and steps 3-4 do not apply.
-2. ``POST /internal/stream``: the token stream. Closing it aborts the request.
+2. ``StreamRequest``: the request's token events go to the proxy worker that asked, batched with
+   its other streams' events once per engine step. The worker leaving aborts the request.
 3. The KV receiver thread validates and writes frames; on commit the engine thread
    moves the request into the batch with its first token.
 4. A lease that runs out before the commit, or an abort, releases the reservation
@@ -17,11 +18,11 @@ Per request (see pdserve/messages.py for the numbered protocol):
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
-from fastapi import FastAPI, Request
-from fastapi.responses import StreamingResponse
+from fastapi import FastAPI
 
 from pdserve import kv_transfer
 from pdserve.config import EngineConfig, NodeConfig, Role
@@ -36,20 +37,16 @@ from pdserve.messages import (
     ReserveRequest,
     StreamRequest,
     TokenEvent,
-    frame,
 )
+from pdserve.node.channel import ChannelServer, Peer
 from pdserve.node.engine_loop import error_output
 from pdserve.node.framework import (
     RETRY_AFTER_S,
     NodeRefused,
     NodeService,
     NodeState,
-    check_token,
-    error_response,
-    msgpack_response,
     node_app,
     node_info,
-    read_message,
 )
 from pdserve.prefill_node.server import PrefillService
 
@@ -165,8 +162,8 @@ class DecodeService(NodeService):
     def num_waiting(self) -> int:
         return len(self.pending_local)
 
-    def add_routes(self, app: FastAPI) -> None:
-        add_decode_routes(app, self)
+    def add_calls(self, channel: ChannelServer) -> None:
+        add_decode_calls(channel, self)
 
 
 def _event(out: RequestOutput, sent_tokens: int, sent_text: int, hold: int) -> tuple[TokenEvent, int, int]:
@@ -201,15 +198,11 @@ def create_app(engine_config: EngineConfig, node: NodeConfig) -> FastAPI:
     return node_app(state)
 
 
-def add_decode_routes(app: FastAPI, service: DecodeService) -> None:
+def add_decode_calls(channel: ChannelServer, service: DecodeService) -> None:
     state = service.state
-    node = state.node
     holdback = service.holdback
 
-    @app.post("/internal/reserve")
-    async def reserve(request: Request):
-        check_token(request, node.cluster_token)
-        msg: ReserveRequest = await read_message(request, ReserveRequest)
+    async def reserve(peer: Peer, msg: ReserveRequest) -> LandingDescriptor:
         lease = min(max(msg.lease_s, 0.1), MAX_LEASE_S)
         deadline = time.time() + lease
         async with state.admission(msg.deadline):  # raises NodeRefused: 429, 503 or 504
@@ -222,54 +215,54 @@ def add_decode_routes(app: FastAPI, service: DecodeService) -> None:
                     reserved = await state.loop.call(lambda e: service.reserve(e, msg, deadline))
             except ValueError as e:
                 state.loop.unsubscribe(msg.request_id)
-                return error_response(400, str(e))
+                raise NodeRefused(400, str(e), "invalid_request_error") from None
             except BaseException:
                 state.loop.unsubscribe(msg.request_id)
                 raise
         if reserved is None:
             state.loop.unsubscribe(msg.request_id)
             message = "decode node has no free KV blocks for this prompt now"
-            return NodeRefused(503, message, "overloaded", RETRY_AFTER_S).response()
+            raise NodeRefused(503, message, "overloaded", RETRY_AFTER_S)
         holdback[msg.request_id] = max((len(s) for s in msg.params.stop), default=1) - 1
-        return msgpack_response(
-            LandingDescriptor(
-                request_id=msg.request_id,
-                node_id=state.info.node_id,
-                kv_address=state.info.kv_address,
-                block_ids=reserved[0],
-                first_block=reserved[1],
-                num_prompt_tokens=len(msg.prompt_token_ids),
-                lease_deadline=0.0 if msg.local_prefill else deadline,
-                local_prefill=msg.local_prefill,
-            )
+        return LandingDescriptor(
+            request_id=msg.request_id,
+            node_id=state.info.node_id,
+            kv_address=state.info.kv_address,
+            block_ids=reserved[0],
+            first_block=reserved[1],
+            num_prompt_tokens=len(msg.prompt_token_ids),
+            lease_deadline=0.0 if msg.local_prefill else deadline,
+            local_prefill=msg.local_prefill,
         )
 
-    @app.post("/internal/stream")
-    async def stream(request: Request):
-        check_token(request, node.cluster_token)
-        msg: StreamRequest = await read_message(request, StreamRequest)
+    async def stream(peer: Peer, msg: StreamRequest) -> None:
+        """From now on the request's outputs go to ``peer`` as token events, batched per step."""
         rid = msg.request_id
-        queue = state.loop.attach(rid)
-        if queue is None:
-            return error_response(404, f"no reserved request {rid!r} to stream")
+        slot = state.loop.attach(rid)
+        if slot is None:
+            raise NodeRefused(404, f"no reserved request {rid!r} to stream", "not_found")
         hold = holdback.pop(rid, 0)
-        await state.loop.call(lambda e: service.start_local(e, rid))
+        peer.streams.add(rid)  # from here on, the peer leaving ends the request
+        try:
+            await state.loop.call(lambda e: service.start_local(e, rid))
+        except asyncio.CancelledError:
+            state.loop.submit(lambda e: state.end_request(rid, RequestStatus.FINISHED_ABORTED, "proxy gone"))
+            raise
+        sent = [0, 0]  # tokens, characters of text
 
-        async def events():
-            sent_tokens = sent_text = 0
-            finished = False
-            try:
-                while not finished:
-                    out = await queue.get()
-                    event, sent_tokens, sent_text = _event(out, sent_tokens, sent_text, hold)
-                    finished = out.finished
-                    if event.token_ids or event.text or finished:
-                        yield frame(event)
-            finally:
+        def sink(out: RequestOutput) -> None:
+            event, sent[0], sent[1] = _event(out, sent[0], sent[1], hold)
+            if event.token_ids or event.text or out.finished:
+                channel.add_event(peer, event)
+            if out.finished:
+                peer.streams.discard(rid)
                 state.loop.unsubscribe(rid)  # (a final output that came before us left it there)
-                if not finished:  # the proxy went away: stop spending work on it
-                    state.loop.submit(
-                        lambda e: state.end_request(rid, RequestStatus.FINISHED_ABORTED, "client gone")
-                    )
 
-        return StreamingResponse(events(), media_type="application/octet-stream")
+        unread = slot.take()
+        slot.sink = sink
+        if unread is not None:
+            sink(unread)
+            channel.flush()
+
+    channel.handle(ReserveRequest, reserve)
+    channel.handle(StreamRequest, stream)

@@ -228,6 +228,9 @@ class NodeConfig:
     """Interface the node's HTTP API binds to."""
     port: int = 8100
     """HTTP port of the node's internal API."""
+    channel_port: int = 0
+    """Port of the request channel (ZeroMQ, on ``host``) that proxies send reserve, prefill,
+    stream and abort calls over; 0 picks a free one (the node reports it in its info)."""
     kv_host: str = "127.0.0.1"
     """Interface the KV receiver binds to (decode nodes)."""
     kv_port: int = 0

@@ -1,6 +1,9 @@
 """Typed messages that cross process boundaries, and their one serializer (msgpack via msgspec).
 
-The control plane (HTTP between proxy and nodes) carries only these structs; the KV channel's
+The control plane between proxy and nodes carries only these structs: the request path over
+one multiplexed channel per (proxy worker, node) (``Hello``, ``Call``/``Reply``, ``Events``,
+``Ping``/``Pong``: pdserve.node.channel and pdserve.proxy.channel), info, load and health over
+HTTP. The KV channel's
 messages (prefill node -> decode node) build on ``Message`` and live in one module of their own,
 ``pdserve.kv_transfer.messages``. Every decode validates types and required fields; semantic
 checks (sizes, ids, block ranges) happen where the message is used.
@@ -8,7 +11,7 @@ checks (sizes, ids, block ranges) happen where the message is used.
 Request life cycle across processes (numbers match docs/architecture.md):
 
 1. proxy -> decode ``ReserveRequest``; decode -> proxy ``LandingDescriptor``
-2. proxy -> decode ``StreamRequest`` (opens the token stream of ``TokenEvent`` frames)
+2. proxy -> decode ``StreamRequest`` (opens the token stream: ``TokenEvent``s, batched per step)
 3. proxy -> prefill ``PrefillRequest`` (carries the landing descriptor)
 4. prefill -> decode over the KV transport (``pdserve.kv_transfer.messages``): ``KVHandshake``
    once per peer, then the blocks and one ``KVCommit`` per request
@@ -56,6 +59,7 @@ class NodeInfo(Message):
     max_model_len: int
     vocab_size: int
     kv_transports: list[str] = []  # the transports it accepts, preferred first; agreed per peer
+    channel_port: int = 0  # the request channel's TCP port, on the host of the node's URL
 
 
 COMPAT_FIELDS = ("model_id", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "kv_layout")
@@ -158,6 +162,63 @@ class TokenEvent(Message):
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     error: str = ""
+
+
+# -- the request channel (one per proxy worker and node) -----------------------------------------
+
+
+class Hello(Message):
+    """Proxy -> node, first on every connection of the channel: the cluster token."""
+
+    token: str
+    peer: str = ""  # who is calling, for the node's logs (e.g. "proxy pid 1234")
+
+
+class Welcome(Message):
+    """Node -> proxy: the channel is open (the token was right)."""
+
+    node_id: str
+
+
+class Call(Message):
+    """Proxy -> node: one call of the request path; answered by a ``Reply`` with its ``call_id``."""
+
+    call_id: int
+    body: ReserveRequest | PrefillRequest | StreamRequest | AbortRequest
+
+
+class Reply(Message):
+    """Node -> proxy: the answer to a ``Call`` (``call_id`` 0: to the channel's ``Hello``).
+
+    ``status`` keeps HTTP's meanings (200 ok; 400 the request is bad; 401 wrong token; 404 no
+    such request; 429/503 full, with ``retry_after``; 5xx the node failed it)."""
+
+    call_id: int
+    status: int = 200
+    body: LandingDescriptor | PrefillResult | None = None
+    error: str = ""
+    error_type: str = ""
+    retry_after: float | None = None
+
+
+class Events(Message):
+    """Node -> proxy: every token event of one engine step for the streams this proxy opened."""
+
+    events: list[TokenEvent]
+
+
+class Ping(Message):
+    """Either way: are you there? Answered with a ``Pong`` carrying the same ``sent``."""
+
+    sent: float
+
+
+class Pong(Message):
+    sent: float
+
+
+ToNode = Hello | Call | Ping | Pong
+ToProxy = Welcome | Reply | Events | Ping | Pong
 
 
 _encoder = msgspec.msgpack.Encoder()

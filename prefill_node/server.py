@@ -1,6 +1,7 @@
 """The prefill node: computes a prompt's KV and first token, pushes the KV into the decode node's blocks.
 
-Per request (``POST /internal/prefill`` carrying the decode node's landing descriptor):
+Per request (a ``PrefillRequest`` call on the request channel, carrying the decode node's landing
+descriptor):
 
 1. Handshake with that decode node's KV receiver once (mismatches are refused then).
 2. The engine runs the prompt like any other — batched, chunked, reusing cached prefix
@@ -12,8 +13,8 @@ Per request (``POST /internal/prefill`` carrying the decode node's landing descr
    request is aborted meanwhile; then it releases them: they stay in the prefix cache for
    later prompts.
 4. The sender delivers the KV and the commit (first token, its logprobs, the seeded
-   sampler's state, cached-token count) and waits for the decode node's ack; the HTTP
-   reply is that outcome. Closing the HTTP request aborts the prefill.
+   sampler's state, cached-token count) and waits for the decode node's ack; the call's
+   reply is that outcome. The proxy worker leaving (or an abort) ends the prefill.
 
 Blocks are shipped from the engine step that computes them, right after its forward was
 launched (``LLMEngine.add_launch_listener``): on CUDA with one event per layer, so the
@@ -23,7 +24,7 @@ follows after the step. A preempted prompt's blocks may be reused before such a 
 read, so after a preemption its blocks are shipped again from the first one.
 
 Each prompt in flight is one ``Shipment``: where its KV goes, what was shipped, its lease
-renewals and the future its HTTP handler waits on, each field written by one thread.
+renewals and the future its call handler waits on, each field written by one thread.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 
 from pdserve import kv_transfer
 from pdserve.config import EngineConfig, NodeConfig
@@ -51,13 +52,12 @@ from pdserve.messages import (
     PrefillRequest,
     PrefillResult,
 )
+from pdserve.node.channel import ChannelServer, Peer
 from pdserve.node.framework import (
+    NodeRefused,
     NodeService,
     NodeState,
-    check_token,
-    msgpack_response,
     node_app,
-    read_message,
 )
 from pdserve.utils import cdiv
 
@@ -68,7 +68,7 @@ class Stage(enum.Enum):
     """Where a shipment is, as the engine thread sees it."""
 
     ADMITTED = "admitted"
-    """The HTTP handler took the prompt; the engine has not queued it yet."""
+    """The call handler took the prompt; the engine has not queued it yet."""
     PREFILLING = "prefilling"
     """The engine runs the prompt; each launched step ships the blocks it fills."""
     SENDING = "sending"
@@ -80,7 +80,7 @@ class Stage(enum.Enum):
 
 @dataclass(eq=False)
 class Shipment:
-    """One prompt's KV on its way to a decode node, from its admission until its HTTP handler returns.
+    """One prompt's KV on its way to a decode node, from its admission until its call handler returns.
 
     Threads: the event loop creates it and owns its membership in ``PrefillService.shipments``
     (it alone adds and removes; the engine thread only looks ids up there). Each field below says
@@ -92,7 +92,7 @@ class Shipment:
     """Where the KV goes: the decode node's blocks and address (never changes)."""
     transfer: asyncio.Future | None = None
     """Event loop: the outcome of the last send, the decode node's ack or a ``KVTransferError``
-    (None only where no HTTP handler waits, as in tests that drive the service directly)."""
+    (None only where no call handler waits, as in tests that drive the service directly)."""
     renew_at: float = 0.0
     """Event loop: when the decode node's lease is renewed next (``time.monotonic``)."""
     renew_every: float = 0.0
@@ -170,7 +170,7 @@ class PrefillService(NodeService):
         return shipment
 
     def close(self, shipment: Shipment) -> None:
-        """The prompt's HTTP handler is done with it: its lease is no longer renewed, and the
+        """The prompt's call handler is done with it: its lease is no longer renewed, and the
         outcome of a send still in flight has no one to go to."""
         if self.shipments.get(shipment.request_id) is shipment:
             del self.shipments[shipment.request_id]
@@ -194,7 +194,7 @@ class PrefillService(NodeService):
                 self.sender.renew(address, self.state.info, request_ids)
 
     def _resolve(self, shipment: Shipment, fut: Future) -> None:
-        """The send is over: its outcome goes to the HTTP handler waiting for it."""
+        """The send is over: its outcome goes to the call handler waiting for it."""
         waiter = shipment.transfer
         if waiter is not None and not waiter.done():
             exc = fut.exception()
@@ -325,8 +325,8 @@ class PrefillService(NodeService):
         if shipment is not None:
             shipment.stage = Stage.DONE
 
-    def add_routes(self, app: FastAPI) -> None:
-        add_prefill_routes(app, self)
+    def add_calls(self, channel: ChannelServer) -> None:
+        add_prefill_calls(channel, self)
 
 
 def _validate(msg: PrefillRequest, block_size: int) -> str:
@@ -354,36 +354,33 @@ def create_app(engine_config: EngineConfig, node: NodeConfig) -> FastAPI:
     return node_app(state)
 
 
-def add_prefill_routes(app: FastAPI, service: PrefillService) -> None:
+def add_prefill_calls(channel: ChannelServer, service: PrefillService) -> None:
     state = service.state
-    node = state.node
 
-    def fail(msg: PrefillRequest, error: str) -> PrefillResult:
+    def fail(msg: PrefillRequest, status: int, error: str) -> NodeRefused:
         logger.warning("prefill of %s failed: %s", msg.request_id, error)
-        return PrefillResult(request_id=msg.request_id, ok=False, error=error)
+        return NodeRefused(status, error, "prefill_failed")
 
-    @app.post("/internal/prefill")
-    async def prefill(request: Request):
+    async def prefill(peer: Peer, msg: PrefillRequest) -> PrefillResult:
+        """Answers once the KV is committed on the decode node (or failed)."""
         arrived = time.monotonic()
-        check_token(request, node.cluster_token)
-        msg: PrefillRequest = await read_message(request, PrefillRequest)
         error = _validate(msg, state.engine.config.cache.block_size)
         if error:
-            return msgpack_response(fail(msg, error), 500)  # a cluster bug, not the client's
+            raise fail(msg, 500, error)  # a cluster bug, not the client's
         async with state.admission(msg.deadline):  # raises NodeRefused: 429, 503 or 504
             try:
                 await service.handshake(msg.landing.kv_address)
             except KVTransferError as e:
-                return msgpack_response(fail(msg, str(e)), 502)
+                raise fail(msg, 502, str(e)) from None
             try:
                 shipment = service.open(msg)  # its lease is renewed from now on
             except ValueError as e:
-                return msgpack_response(fail(msg, str(e)), 400)
+                raise fail(msg, 400, str(e)) from None
             try:
                 outputs = await _add(msg, shipment)
             except ValueError as e:
                 service.close(shipment)
-                return msgpack_response(fail(msg, str(e)), 400)
+                raise fail(msg, 400, str(e)) from None
             except BaseException:
                 service.close(shipment)
                 raise
@@ -412,17 +409,17 @@ def add_prefill_routes(app: FastAPI, service: PrefillService) -> None:
             out = await outputs.get()
             state.metrics.prefill_seconds.observe(time.monotonic() - arrived)
             if out.outputs[0].finish_reason == "error":  # ended before its KV was sent: none will be
-                return msgpack_response(fail(msg, str(out.outputs[0].stop_reason)), 500)
+                raise fail(msg, 500, str(out.outputs[0].stop_reason))
             await transfer
         except KVTransferError as e:
-            return msgpack_response(fail(msg, str(e)), 502)
-        except asyncio.CancelledError:  # the proxy hung up
+            raise fail(msg, 502, str(e)) from None
+        except asyncio.CancelledError:  # the proxy left (or aborted the call)
             state.loop.submit(lambda e: state.end_request(rid, RequestStatus.FINISHED_ABORTED, "proxy gone"))
             raise
         finally:
             # This handler is the slot's only reader: once it returns, nothing reads the slot, and a
             # slot left behind would hold the node's drain until it expires.
             state.loop.unsubscribe(rid)
-        return msgpack_response(
-            PrefillResult(request_id=rid, ok=True, num_cached_tokens=out.num_cached_tokens)
-        )
+        return PrefillResult(request_id=rid, ok=True, num_cached_tokens=out.num_cached_tokens)
+
+    channel.handle(PrefillRequest, prefill)

@@ -1,20 +1,21 @@
 """One request's trip through the cluster (docs/architecture.md, life of a request, steps 2-6).
 
-1. Reserve KV blocks on a decode node (``/internal/reserve``), trying nodes in the policy's
+Every call below travels on the node's request channel (pdserve.proxy.channel).
+
+1. Reserve KV blocks on a decode node (``ReserveRequest``), trying nodes in the policy's
    order; a node with no free blocks (503) sends us to the next, and when every node is
    full the request waits up to ``admission_wait_s`` before it gets a 429.
-2. Send the prompt and the landing descriptor to a prefill node (``/internal/prefill``). Its
+2. Send the prompt and the landing descriptor to a prefill node (``PrefillRequest``). Its
    reply is control-plane only (ok or an error).
-3. At the same time open the decode node's token stream (``/internal/stream``): the decode
+3. At the same time open the decode node's token stream (``StreamRequest``): the decode
    node keeps the request's outputs from its reservation on, so no token can be missed, and
    the prefill need not wait for the stream's round trip.
 4. Relay ``TokenEvent``s until one carries ``finish_reason``.
 
 Every way out releases what was taken: a failed prefill, a dead or misbehaving node, the
 deadline or the client leaving aborts the request on each node still holding it
-(``/internal/abort``, and closing our connections, which the nodes also treat as an
-abort). Aborts run as background tasks so that they survive the cancellation that
-triggered them.
+(``AbortRequest``; a proxy worker that goes away altogether loses its requests on every
+node). Aborts run as background tasks so that they survive the cancellation that triggered them.
 
 Migration (as NVIDIA Dynamo does it): when a node dies under a request (its connection drops,
 or the token stream ends before the final event) the request starts over on the surviving
@@ -48,7 +49,7 @@ from pdserve.messages import (
     TokenEvent,
 )
 from pdserve.metrics import LATENCY_BUCKETS, Registry
-from pdserve.proxy.node_client import NodeError
+from pdserve.proxy.channel import NodeError
 from pdserve.proxy.protocol import ProxyError
 from pdserve.proxy.router import NodeState, Router, RouteRequest
 from pdserve.sampling_params import SamplingParams
@@ -166,11 +167,6 @@ class Dispatcher:
         """Let pending aborts finish (bounded) at shutdown."""
         if self._background:
             await asyncio.wait(list(self._background), timeout=timeout)
-
-
-async def _drain(events) -> None:
-    async for _ in events:
-        pass
 
 
 class NodeDied(Exception):
@@ -392,9 +388,6 @@ class Generation:
             if event.finish_reason is not None:
                 self.finished = True
                 self._queue.put_nowait(None)  # the caller need not wait for the cleanup below
-                # Read the (empty) rest of the body so the connection returns to the pool.
-                with contextlib.suppress(asyncio.TimeoutError, NodeError):
-                    await asyncio.wait_for(_drain(events), 1.0)
                 return
         raise NodeDied(decode, "the token stream ended before the request finished")
 

@@ -24,7 +24,8 @@ from pdserve.config import Role
 from pdserve.hashing import BlockHash, hash_block_chain
 from pdserve.messages import NodeInfo, NodeLoad, mismatches
 from pdserve.prefix_index import IndexUnavailable, PrefixIndex, RecentRoutes
-from pdserve.proxy.node_client import NodeClient, NodeError, make_http_client
+from pdserve.proxy.channel import NodeError
+from pdserve.proxy.node_client import NodeClient, make_http_client
 
 logger = logging.getLogger(__name__)
 
@@ -263,7 +264,7 @@ class Router:
             self._poller = None
         if self.index is not None:
             await self.index.close()
-        await asyncio.gather(*(node.client.http.aclose() for node in self.nodes), return_exceptions=True)
+        await asyncio.gather(*(node.client.close() for node in self.nodes), return_exceptions=True)
 
     async def _fetch_all_info(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -277,6 +278,8 @@ class Router:
             for node, result in zip(pending, results):
                 if isinstance(result, NodeInfo):
                     node.info = result
+                    if result.channel_port:
+                        await node.client.use_info(result)
                     continue
                 if isinstance(result, NodeError) and 400 <= result.status < 500:
                     hint = " (check --cluster-token)" if result.status in (401, 403) else ""
@@ -309,6 +312,8 @@ class Router:
                 problems.append(
                     f"{node.url} is listed as a {node.role} node but reports role {node.info.role!r}"
                 )
+            if not node.info.channel_port:
+                problems.append(f"{node.url} reports no request channel (a node of an older pdserve?)")
             if node.colocated and node.info.role != Role.BOTH:
                 problems.append(f"{node.url} is listed as co-located but reports role {node.info.role!r}")
             if model_id is not None and node.info.model_id != model_id:
@@ -354,6 +359,10 @@ class Router:
         problems = [f"{f}: {v!r} instead of {r!r}" for f, v, r in mismatches(info, self.reference)]
         if not Role(info.role).serves(node.role):
             problems.append(f"role {info.role!r}")
+        if not info.channel_port:
+            problems.append("no request channel")
+        else:
+            await node.client.use_info(info)
         node.info = info
         reason = "; ".join(problems)
         if reason and reason != node.incompatible:

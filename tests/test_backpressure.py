@@ -16,18 +16,15 @@ import pytest
 from pdserve.cluster import LocalCluster
 from pdserve.messages import (
     AbortRequest,
-    FrameReader,
-    LandingDescriptor,
     NodeLoad,
     PrefillRequest,
     PrefillResult,
+    Reply,
     ReserveRequest,
-    StreamRequest,
-    TokenEvent,
     decode,
-    encode,
 )
 from pdserve.sampling_params import SamplingParams
+from tests import node_link
 
 MODEL = "SmolLM2-135M-Instruct"
 BOUND = 2
@@ -74,13 +71,13 @@ def _prompt(i: int, n: int) -> list[int]:
     return [100 + (i * 7 + j) % 30000 for j in range(n)]
 
 
-def _reserve(url: str, rid: str, prompt: list[int], deadline: float = 0.0, lease_s: float = 60.0):
+def _reserve(url: str, rid: str, prompt: list[int], deadline: float = 0.0, lease_s: float = 60.0) -> Reply:
     msg = ReserveRequest(rid, prompt, SamplingParams(max_tokens=2), lease_s=lease_s, deadline=deadline)
-    return httpx.post(f"{url}/internal/reserve", content=encode(msg), timeout=30)
+    return node_link.call(url, msg, timeout=30)
 
 
 def _abort(url: str, rid: str) -> None:
-    httpx.post(f"{url}/internal/abort", content=encode(AbortRequest(rid)), timeout=10)
+    node_link.call(url, AbortRequest(rid), timeout=10)
 
 
 def test_full_cluster_gets_429_with_retry_after(cluster):
@@ -116,10 +113,10 @@ def test_decode_node_refuses_reservations_over_its_bound(cluster):
     ids = [f"bp-d{i}" for i in range(BOUND + 1)]
     try:
         for rid in ids[:BOUND]:
-            assert _reserve(url, rid, _prompt(len(rid), 40)).status_code == 200
+            assert _reserve(url, rid, _prompt(len(rid), 40)).status == 200
         r = _reserve(url, ids[BOUND], _prompt(9, 40))
-        assert r.status_code == 429 and float(r.headers["retry-after"]) >= 1, r.text
-        assert r.json()["error"]["type"] == "overloaded"
+        assert r.status == 429 and r.retry_after >= 1, r
+        assert r.error_type == "overloaded", r
         assert _load(url).waiting_for_kv == BOUND
     finally:
         for rid in ids:
@@ -135,30 +132,23 @@ def test_prefill_node_refuses_prompts_over_its_bound(cluster):
     for i in range(4):
         node, rid, prompt = decodes[i % 2], f"bp-p{i}", _prompt(1000 + i, 600)
         r = _reserve(node, rid, prompt)
-        assert r.status_code == 200, r.text
-        placed.append((node, rid, prompt, decode(r.content, LandingDescriptor)))
-
-    async def run() -> list[httpx.Response]:
-        async with httpx.AsyncClient(timeout=120) as client:
-            return await asyncio.gather(
-                *(
-                    client.post(
-                        f"{prefill}/internal/prefill",
-                        content=encode(PrefillRequest(rid, prompt, SamplingParams(max_tokens=2), landing)),
-                    )
-                    for _, rid, prompt, landing in placed
-                )
-            )
+        assert r.status == 200, r
+        placed.append((node, rid, prompt, r.body))
 
     try:
-        responses = asyncio.run(run())
-        statuses = [r.status_code for r in responses]
-        assert 429 in statuses and statuses.count(200) >= 1, [r.text for r in responses]
-        for r in responses:
-            if r.status_code == 429:
-                assert "retry-after" in r.headers
+        with node_link.NodeLink(prefill) as link:
+            calls = [
+                link.start(PrefillRequest(rid, prompt, SamplingParams(max_tokens=2), landing))
+                for _, rid, prompt, landing in placed
+            ]
+            replies = [link.reply(c, 120) for c in calls]
+        statuses = [r.status for r in replies]
+        assert 429 in statuses and statuses.count(200) >= 1, replies
+        for r in replies:
+            if r.status == 429:
+                assert r.retry_after, r
             else:
-                assert r.status_code == 200 and decode(r.content, PrefillResult).ok, r.content
+                assert r.status == 200 and isinstance(r.body, PrefillResult) and r.body.ok, r
     finally:
         for node, rid, _, _ in placed:
             _abort(node, rid)  # the refused ones still hold their reservation; the others finish
@@ -169,7 +159,7 @@ def test_expired_deadline_is_refused_without_taking_blocks(cluster):
     url = _url(cluster, "decode-1")
     free = _load(url).free_blocks
     r = _reserve(url, "bp-expired", _prompt(3, 40), deadline=time.time() - 1)
-    assert r.status_code == 504 and "deadline" in r.json()["error"]["message"], r.text
+    assert r.status == 504 and "deadline" in r.error, r
     assert _load(url).free_blocks == free
     _wait_idle(cluster)
 
@@ -177,15 +167,10 @@ def test_expired_deadline_is_refused_without_taking_blocks(cluster):
 def test_short_deadline_drops_a_reservation_before_its_lease(cluster):
     url = _url(cluster, "decode-1")
     r = _reserve(url, "bp-short", _prompt(4, 100), deadline=time.time() + 1.0, lease_s=120.0)
-    assert r.status_code == 200, r.text
-    reader = FrameReader(TokenEvent)
-    events: list[TokenEvent] = []
+    assert r.status == 200, r
     start = time.monotonic()
-    with httpx.stream(
-        "POST", f"{url}/internal/stream", content=encode(StreamRequest("bp-short")), timeout=60
-    ) as resp:
-        for chunk in resp.iter_bytes():
-            events += reader.feed(chunk)
+    with node_link.NodeLink(url) as link:
+        events = link.stream("bp-short", 60)
     assert time.monotonic() - start < 20  # long before the 120 s lease
     assert events[-1].finish_reason == "error" and "deadline" in events[-1].error, events
     _wait_idle(cluster)
@@ -196,13 +181,13 @@ def test_deadline_drops_a_prompt_on_the_prefill_node(cluster):
     prefill, node = _url(cluster, "prefill-0"), _url(cluster, "decode-0")
     prompt = _prompt(7, 1500)  # ~6 steps of 256 tokens
     r = _reserve(node, "bp-late", prompt)
-    assert r.status_code == 200, r.text
-    landing = decode(r.content, LandingDescriptor)
+    assert r.status == 200, r
+    landing = r.body
     msg = PrefillRequest("bp-late", prompt, SamplingParams(max_tokens=2), landing, deadline=time.time() + 0.5)
     try:
-        r = httpx.post(f"{prefill}/internal/prefill", content=encode(msg), timeout=60)
+        r = node_link.call(prefill, msg, timeout=60)
         # Dropped by the engine (500 with the reason) or, if admission came too late, refused (504).
-        assert r.status_code in (500, 504) and b"deadline" in r.content, (r.status_code, r.content)
+        assert r.status in (500, 504) and "deadline" in r.error, r
     finally:
         _abort(node, "bp-late")  # as the proxy does when a prefill fails
     _wait_idle(cluster)

@@ -15,15 +15,12 @@ import pytest
 
 from pdserve.cluster import LocalCluster
 from pdserve.messages import (
-    FrameReader,
     NodeLoad,
     ReserveRequest,
-    StreamRequest,
-    TokenEvent,
     decode,
-    encode,
 )
 from pdserve.sampling_params import SamplingParams
+from tests import node_link
 
 MODEL = "SmolLM2-135M-Instruct"
 MSGPACK = {"content-type": "application/msgpack"}
@@ -85,27 +82,14 @@ def _ask(c: LocalCluster, text: str = "Say hello.") -> dict:
 def test_lease_expiry_frees_reserved_blocks(cluster):
     decode_url = _nodes(cluster, "decode")[0].url
     params = SamplingParams(max_tokens=4)
-    r = httpx.post(
-        f"{decode_url}/internal/reserve",
-        content=encode(ReserveRequest("lease-test", list(range(10, 300)), params, lease_s=1.0)),
-        headers=MSGPACK,
-    )
-    assert r.status_code == 200, r.text
+    r = node_link.call(decode_url, ReserveRequest("lease-test", list(range(10, 300)), params, lease_s=1.0))
+    assert r.status == 200, r
     load = _load(decode_url)
     assert load.waiting_for_kv == 1 and load.free_blocks < load.total_blocks
     # No prefill ever comes: the stream must end with an error once the lease runs out.
-    reader = FrameReader(TokenEvent)
-    events = []
     start = time.monotonic()
-    with httpx.stream(
-        "POST",
-        f"{decode_url}/internal/stream",
-        content=encode(StreamRequest("lease-test")),
-        headers=MSGPACK,
-        timeout=30,
-    ) as resp:
-        for chunk in resp.iter_bytes():
-            events += reader.feed(chunk)
+    with node_link.NodeLink(decode_url) as link:
+        events = link.stream("lease-test", 30)
     assert time.monotonic() - start < 10
     assert events[-1].finish_reason == "error" and "lease" in events[-1].error
     _wait_idle(cluster)

@@ -18,8 +18,9 @@ import httpx
 import pytest
 
 from pdserve.cluster import LocalCluster
-from pdserve.messages import FrameReader, NodeLoad, ReserveRequest, StreamRequest, TokenEvent, decode, encode
+from pdserve.messages import NodeLoad, ReserveRequest, StreamRequest, decode
 from pdserve.sampling_params import SamplingParams
+from tests import node_link
 
 MODEL = "SmolLM2-135M-Instruct"
 PROMPTS = ["Once upon a time", "The sea is", "My favourite food is", "In the year 3000"]
@@ -168,8 +169,8 @@ def test_sigterm_decode_node_finishes_streams(cluster, reference):
         time.sleep(0.01)
     assert health.status_code == 503
     msg = ReserveRequest("drain-new", list(range(10, 40)), SamplingParams(max_tokens=2), lease_s=5.0)
-    r = httpx.post(f"{victim.url}/internal/reserve", content=encode(msg), timeout=5)
-    assert r.status_code == 503 and "retry-after" in r.headers
+    r = node_link.call(victim.url, msg, timeout=5)
+    assert r.status == 503 and r.retry_after, r
     assert httpx.get(f"{victim.url}/internal/load", timeout=5).status_code == 503
     _join(streams)
     assert [s.text for s in streams] == reference
@@ -208,18 +209,13 @@ def test_drain_timeout_ends_streams_with_an_error(cluster):
     """A reservation whose KV never comes outlives the drain: its stream ends with an error event."""
     victim = _child(cluster, "decode-1")
     msg = ReserveRequest("drain-stuck", list(range(10, 60)), SamplingParams(max_tokens=4), lease_s=300.0)
-    r = httpx.post(f"{victim.url}/internal/reserve", content=encode(msg), timeout=10)
-    assert r.status_code == 200, r.text
-    reader = FrameReader(TokenEvent)
-    events = []
-    with httpx.stream(
-        "POST", f"{victim.url}/internal/stream", content=encode(StreamRequest("drain-stuck")), timeout=60
-    ) as resp:
-        assert resp.status_code == 200
+    with node_link.NodeLink(victim.url) as link:
+        r = link.call(msg, 10)
+        assert r.status == 200, r
+        assert link.call(StreamRequest("drain-stuck"), 10).status == 200
         start = time.monotonic()
         os.kill(victim.proc.pid, signal.SIGTERM)
-        for chunk in resp.iter_bytes():
-            events += reader.feed(chunk)
+        events = link.read("drain-stuck", 60)
     ended = time.monotonic() - start
     assert SHUTDOWN_TIMEOUT_S - 1 < ended < SHUTDOWN_TIMEOUT_S + 10, ended
     assert events[-1].finish_reason == "error" and "shutting down" in events[-1].error, events

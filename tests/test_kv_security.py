@@ -36,10 +36,12 @@ from pdserve.messages import (
     NodeInfo,
     NodeLoad,
     ReserveRequest,
+    StreamRequest,
     decode,
     encode,
 )
 from pdserve.sampling_params import SamplingParams
+from tests import node_link
 
 MODEL = "SmolLM2-135M-Instruct"
 TOKEN = "kv-security-token"
@@ -144,12 +146,10 @@ class RawPeer:
 
 def _reserve(decode_url: str, rid: str, seed: int) -> list[int]:
     prompt = [1000 + seed * 97 + i for i in range(40)]  # 3 blocks of 16, no cached prefix
-    r = _post(
-        f"{decode_url}/internal/reserve", ReserveRequest(rid, prompt, SamplingParams(max_tokens=2), 60.0)
-    )
-    assert r.status_code == 200, r.text
-    landing = decode(r.content, LandingDescriptor)
-    assert landing.block_ids
+    r = node_link.call(decode_url, ReserveRequest(rid, prompt, SamplingParams(max_tokens=2), 60.0), TOKEN)
+    assert r.status == 200, r
+    landing = r.body
+    assert isinstance(landing, LandingDescriptor) and landing.block_ids
     return landing.block_ids
 
 
@@ -159,10 +159,7 @@ def test_internal_routes_need_the_cluster_token(cluster):
         ("GET", "decode", "/internal/info"),
         ("GET", "decode", "/internal/load"),
         ("POST", "decode", "/internal/abort"),
-        ("POST", "decode", "/internal/reserve"),
-        ("POST", "decode", "/internal/stream"),
         ("GET", "prefill", "/internal/load"),
-        ("POST", "prefill", "/internal/prefill"),
     ]
     for method, role, path in routes:
         url = _node(cluster, role).url + path
@@ -179,6 +176,26 @@ def test_internal_routes_need_the_cluster_token(cluster):
             assert "cluster token" in r.json()["error"]["message"]
     for role in ("decode", "prefill"):
         assert httpx.get(f"{_node(cluster, role).url}/health", timeout=10).status_code == 200
+    # The request channel: a Hello with anything but the token is refused, and a call from a
+    # peer that was not welcomed is refused without being run.
+    prompt = list(range(500, 540))
+    calls = [
+        ("decode", ReserveRequest("tok-r", prompt, SamplingParams(max_tokens=2), 60.0)),
+        ("decode", StreamRequest("tok-r")),
+        ("decode", AbortRequest("tok-r")),
+    ]
+    for role, body in calls:
+        url = _node(cluster, role).url
+        for given in ("", "wrong", f"{TOKEN}x", "ä"):
+            with node_link.NodeLink(url, TOKEN, hello=False) as link:
+                if given:
+                    with pytest.raises(node_link.LinkRefused) as refused:
+                        link.hello(given)
+                    assert refused.value.reply.status == 401 and "cluster token" in refused.value.reply.error
+                reply = link.call(body, 10)
+                assert reply.status == 401 and "cluster token" in reply.error, (role, given, reply)
+    load = _get(f"{_node(cluster, 'decode').url}/internal/load", NodeLoad)
+    assert load.waiting_for_kv == 0  # nothing was reserved
     _alive(cluster)
     assert _ask(cluster) == reference
     _wait_idle(cluster)

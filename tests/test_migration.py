@@ -16,6 +16,7 @@ from pdserve import LLM, SamplingParams
 from pdserve.cluster import LocalCluster
 from pdserve.messages import AbortRequest, NodeLoad, ReserveRequest, decode, encode
 from pdserve.metrics import parse_text
+from tests import node_link
 
 MODEL = "SmolLM2-135M-Instruct"
 MSGPACK = {"content-type": "application/msgpack"}
@@ -131,11 +132,11 @@ def _fill(url: str) -> list[str]:
     while size >= 8:
         rid = f"filler-{len(ids)}"
         msg = ReserveRequest(rid, [11] * size, SamplingParams(max_tokens=1), lease_s=600.0)
-        r = httpx.post(f"{url}/internal/reserve", content=encode(msg), headers=MSGPACK, timeout=10)
-        if r.status_code == 200:
+        r = node_link.call(url, msg, timeout=10)
+        if r.status == 200:
             ids.append(rid)
         else:
-            assert r.status_code in (429, 503), r.text
+            assert r.status in (429, 503), r
             size //= 2
     return ids
 

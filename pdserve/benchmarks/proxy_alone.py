@@ -8,8 +8,8 @@ that are not the limit load it:
 - One stand-in prefill node answers every prefill at once; D stand-in decode nodes answer every
   reserve at once and, like an engine stepping every ``--interval-ms``, send each open token stream
   one token event per step, ``--tokens`` of them (the last with ``finish_reason`` length). Each
-  stand-in is a process of its own on raw asyncio sockets, speaking the nodes' internal API
-  (msgpack bodies, length-prefixed TokenEvent frames).
+  stand-in is a process of its own: info, load and health on raw asyncio sockets, the request
+  path on the node's own request channel, token events batched per step as a real node sends them.
 - C client processes hold ``concurrency`` streams open in a closed loop: each sends a streamed
   ``/v1/completions`` request (a prompt of ``--prompt-len`` token ids), counts the SSE token
   events as they arrive on a raw socket and sends the next request when ``[DONE]`` comes.
@@ -53,7 +53,7 @@ VOCAB = 49152
 # -- stand-in nodes -----------------------------------------------------------------------------
 
 
-def _node_info(role: str, port: int):
+def _node_info(role: str, port: int, channel_port: int):
     from pdserve.config import Role
     from pdserve.messages import NodeInfo
 
@@ -72,33 +72,71 @@ def _node_info(role: str, port: int):
         max_model_len=8192,
         vocab_size=VOCAB,
         kv_transports=["zmq"],
+        channel_port=channel_port,
     )
 
 
 class _StandIn:
-    """One stand-in node's HTTP server (HTTP/1.1 keep-alive, just what the proxy sends)."""
+    """One stand-in node: info, load and health on a raw HTTP/1.1 server, the request path on
+    the node's own request channel (``pdserve.node.channel``), whose token events leave batched
+    once per step as a real node's do."""
 
     def __init__(self, role: str, port: int, tokens: int, interval_s: float) -> None:
-        from pdserve.messages import NodeLoad, encode
+        from pdserve.messages import (
+            AbortRequest,
+            NodeLoad,
+            PrefillRequest,
+            ReserveRequest,
+            StreamRequest,
+            encode,
+        )
+        from pdserve.node.channel import ChannelServer
 
         self.role = role
         self.tokens = tokens
         self.interval_s = interval_s
-        self.info = encode(_node_info(role, port))
+        self.channel = ChannelServer("127.0.0.1", 0, "", lambda peer, ids: self._lost(ids))
+        self.channel.handle(ReserveRequest, self.reserve)
+        self.channel.handle(PrefillRequest, self.prefill)
+        self.channel.handle(StreamRequest, self.stream)
+        self.channel.handle(AbortRequest, self.abort)
+        self.info = encode(_node_info(role, port, self.channel.port))
         self.load = encode(
             NodeLoad(running=0, waiting=0, waiting_for_kv=0, free_blocks=1 << 20, total_blocks=1 << 20)
         )
-        self.streams: list[list] = []  # [writer, request_id, tokens sent, prompt tokens, done future]
+        self.streams: dict[str, list] = {}  # request id -> [peer, tokens sent, prompt tokens]
+
+    async def reserve(self, peer, req):
+        from pdserve.messages import LandingDescriptor
+
+        n = len(req.prompt_token_ids)
+        blocks = list(range(-(-n // 16)))
+        return LandingDescriptor(req.request_id, "stand-in", "tcp://127.0.0.1:1", blocks, n, time.time() + 60)
+
+    async def prefill(self, peer, req):
+        from pdserve.messages import PrefillResult
+
+        return PrefillResult(req.request_id, ok=True)
+
+    async def stream(self, peer, req):
+        self.streams[req.request_id] = [peer, 0, 128]
+
+    async def abort(self, peer, req):
+        self.streams.pop(req.request_id, None)
+
+    def _lost(self, ids: list[str]) -> None:
+        for rid in ids:
+            self.streams.pop(rid, None)
 
     async def tick(self) -> None:
-        """One engine step: every open stream gets its next token event."""
-        from pdserve.messages import TokenEvent, frame
+        """One engine step: every open stream gets its next token event, one message per peer."""
+        from pdserve.messages import TokenEvent
 
+        channel = self.channel
         while True:
             start = time.monotonic()
-            still = []
-            for s in self.streams:
-                writer, rid, sent, prompt, done = s
+            for rid, s in list(self.streams.items()):
+                peer, sent, prompt = s
                 last = sent + 1 == self.tokens
                 event = TokenEvent(
                     rid,
@@ -107,28 +145,15 @@ class _StandIn:
                     finish_reason="length" if last else None,
                     num_prompt_tokens=prompt if sent == 0 else 0,
                 )
-                data = frame(event)
-                writer.write(b"%x\r\n%s\r\n" % (len(data), data))
+                channel.add_event(peer, event)
                 if last:
-                    writer.write(b"0\r\n\r\n")
-                    done.set_result(None)
+                    del self.streams[rid]
                 else:
-                    s[2] = sent + 1
-                    still.append(s)
-            self.streams = still
+                    s[1] = sent + 1
+            channel.flush()
             await asyncio.sleep(max(0.0, self.interval_s - (time.monotonic() - start)))
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        from pdserve.messages import (
-            LandingDescriptor,
-            PrefillRequest,
-            PrefillResult,
-            ReserveRequest,
-            StreamRequest,
-            encode,
-        )
-        from pdserve.messages import decode as decode_msg
-
         try:
             while True:
                 line = await reader.readline()
@@ -143,38 +168,13 @@ class _StandIn:
                     name, _, value = header.partition(b":")
                     if name.strip().lower() == b"content-length":
                         length = int(value)
-                body = await reader.readexactly(length) if length else b""
+                if length:
+                    await reader.readexactly(length)
                 payload = b""
-                if path == "/internal/stream":
-                    msg = decode_msg(body, StreamRequest)
-                    writer.write(
-                        b"HTTP/1.1 200 OK\r\ncontent-type: application/octet-stream\r\n"
-                        b"transfer-encoding: chunked\r\n\r\n"
-                    )
-                    done = asyncio.get_running_loop().create_future()
-                    self.streams.append([writer, msg.request_id, 0, 128, done])
-                    await done
-                    continue
                 if path == "/internal/info":
                     payload = self.info
                 elif path == "/internal/load":
                     payload = self.load
-                elif path == "/internal/reserve":
-                    req = decode_msg(body, ReserveRequest)
-                    n = len(req.prompt_token_ids)
-                    payload = encode(
-                        LandingDescriptor(
-                            req.request_id,
-                            "stand-in",
-                            "tcp://127.0.0.1:1",
-                            list(range(-(-n // 16))),
-                            n,
-                            time.time() + 60,
-                        )
-                    )
-                elif path == "/internal/prefill":
-                    req = decode_msg(body, PrefillRequest)
-                    payload = encode(PrefillResult(req.request_id, ok=True))
                 elif path == "/health":
                     payload = b"ok"
                 writer.write(
@@ -190,6 +190,7 @@ class _StandIn:
 def _run_stand_in(role: str, port: int, tokens: int, interval_s: float) -> None:
     async def main() -> None:
         node = _StandIn(role, port, tokens, interval_s)
+        node.channel.start()
         server = await asyncio.start_server(node.handle, "127.0.0.1", port, backlog=4096)
         ticker = asyncio.ensure_future(node.tick())
         async with server:

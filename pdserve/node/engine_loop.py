@@ -2,7 +2,9 @@
 
 The engine is single-threaded: every call into it (add, reserve, abort, landed KV)
 is queued as a command and run on the engine thread between steps. Outputs of each
-step are handed to per-request ``OutputSlot``s on the server's event loop. Torch
+step cross to the server's event loop in one hand-off and go to per-request ``OutputSlot``s,
+or straight to a slot's ``sink`` (the request channel's streams); the flush hooks run after
+each hand-off, so a step's events leave in one message per peer. Torch
 releases the GIL inside its kernels, so the HTTP side stays responsive while a step
 runs.
 
@@ -50,6 +52,7 @@ class EngineLoop:
         self.on_idle = on_idle
         self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
         self._subscribers: dict[str, OutputSlot] = {}
+        self._flush_hooks: list[Callable[[], None]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.num_steps = 0
@@ -77,6 +80,10 @@ class EngineLoop:
 
         self._commands.put(run)
         return await fut
+
+    def add_flush_hook(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the event loop after each hand-off of outputs (once per step)."""
+        self._flush_hooks.append(fn)
 
     def submit(self, fn: Callable[[LLMEngine], Any]) -> None:
         """Fire and forget, from any thread."""
@@ -116,18 +123,35 @@ class EngineLoop:
     def fail_subscribers(self, message: str) -> None:
         """End every open subscription with an error output (event loop); a last resort at shutdown
         for requests the engine no longer knows."""
-        for request_id in list(self._subscribers):
-            self._deliver(error_output(request_id, message))
+        self._deliver_many([error_output(request_id, message) for request_id in list(self._subscribers)])
 
     # -- engine thread -------------------------------------------------------------------------
 
     def publish(self, output: RequestOutput) -> None:
-        self.loop.call_soon_threadsafe(self._deliver, output)
+        self.loop.call_soon_threadsafe(self._deliver_many, [output])
+
+    def publish_many(self, outputs: list[RequestOutput]) -> None:
+        """Hand a step's outputs to the event loop at once (one wake-up, not one per request)."""
+        if outputs:
+            self.loop.call_soon_threadsafe(self._deliver_many, outputs)
+
+    def _deliver_many(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            self._deliver(output)
+        for hook in self._flush_hooks:
+            try:
+                hook()
+            except Exception:
+                logger.exception("output flush hook failed")
 
     def _deliver(self, output: RequestOutput) -> None:
         q = self._subscribers.get(output.request_id)
         if q is not None:
-            q.put_nowait(output)
+            if q.sink is not None:
+                q.finished = output.finished
+                q.sink(output)
+            else:
+                q.put_nowait(output)
             if output.finished and q.attached:
                 self._subscribers.pop(output.request_id, None)
             elif output.finished:  # its reader is yet to come (``attach``)
@@ -161,8 +185,7 @@ class EngineLoop:
                 self._fail_all("internal error in the engine step")
                 continue
             self.num_steps += 1
-            for output in outputs:
-                self.publish(output)
+            self.publish_many(outputs)
             if self.after_step is not None:
                 self._guard(self.after_step, outputs)
 
@@ -175,8 +198,7 @@ class EngineLoop:
     def _fail_all(self, message: str) -> None:
         ids = self.engine.request_ids()
         self.engine.abort_request(ids, RequestStatus.FINISHED_ERROR)
-        for request_id in ids:
-            self.publish(error_output(request_id, message))
+        self.publish_many([error_output(request_id, message) for request_id in ids])
 
 
 class OutputSlot:
@@ -191,6 +213,9 @@ class OutputSlot:
         self._output: RequestOutput | None = None
         self._ready = asyncio.Event()
         self.attached = False  # a reader took it (``EngineLoop.attach``)
+        self.sink: Callable[[RequestOutput], None] | None = None
+        """Set by a reader that takes outputs as they come (the request channel) instead of
+        awaiting ``get``; it gets every output from then on, final one included."""
         self.finished = False  # the final output came (read or not)
 
     def put_nowait(self, output: RequestOutput) -> None:
@@ -210,6 +235,11 @@ class OutputSlot:
 
     def empty(self) -> bool:
         return self._output is None
+
+    def take(self) -> RequestOutput | None:
+        """The unread output, if any (for a reader about to set ``sink``)."""
+        output, self._output = self._output, None
+        return output
 
 
 def error_output(request_id: str, message: str) -> RequestOutput:

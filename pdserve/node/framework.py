@@ -1,8 +1,11 @@
 """What every node shares: engine start-up, services, node info, prefix-index publishing, the
-internal HTTP plumbing.
+request channel and the internal HTTP plumbing.
 
-Internal APIs speak msgpack-encoded ``pdserve.messages`` structs; errors come back as
-OpenAI-style JSON bodies with a 4xx/5xx status so the proxy can pass them on.
+The request path (reserve, prefill, token stream, abort) arrives on the request channel
+(``pdserve.node.channel``), where each service registers its calls; HTTP serves health, info,
+load, metrics and an operator's abort. Both speak msgpack-encoded ``pdserve.messages`` structs;
+refusals carry an HTTP status (in the channel's ``Reply``, or as an OpenAI-style JSON error) so
+the proxy can pass them on.
 
 Admission and shutdown (the same for every role):
 
@@ -37,6 +40,7 @@ from pdserve.engine.outputs import EngineLoad, RequestOutput
 from pdserve.engine.request import RequestStatus
 from pdserve.messages import AbortRequest, Message, NodeInfo, NodeLoad, decode, encode
 from pdserve.metrics import CONTENT_TYPE, LATENCY_BUCKETS, Registry
+from pdserve.node.channel import CallRefused, ChannelServer, Peer
 from pdserve.node.engine_loop import EngineLoop, error_output
 from pdserve.prefix_index import IndexPublisher, NodeRegistration, redacted
 
@@ -97,19 +101,15 @@ async def read_message(request: Request, kind: type) -> Message:
         raise HTTPException(status_code=400, detail=f"malformed {kind.__name__}: {e}") from None
 
 
-class NodeRefused(Exception):
-    """The node does not take this request now; answered as an OpenAI-style error (with
-    Retry-After when ``retry_after`` is set) by the app's exception handler."""
+class NodeRefused(CallRefused):
+    """The node does not take this request now: a channel call answers it with its status, an
+    HTTP route as an OpenAI-style error (with Retry-After when ``retry_after`` is set)."""
 
-    def __init__(self, status_code: int, message: str, kind: str, retry_after: float | None = None) -> None:
-        super().__init__(message)
-        self.status_code = status_code
-        self.message = message
-        self.kind = kind
-        self.retry_after = retry_after
+    def __init__(self, status: int, message: str, kind: str, retry_after: float | None = None) -> None:
+        super().__init__(status, message, kind, retry_after)
 
     def response(self) -> JSONResponse:
-        r = error_response(self.status_code, self.message, self.kind)
+        r = error_response(self.status, self.message, self.kind)
         if self.retry_after is not None:
             r.headers["retry-after"] = str(max(1, round(self.retry_after)))
         return r
@@ -222,7 +222,8 @@ class NodeService:
         subscriptions: e.g. a KV send in flight (engine thread)."""
         return False
 
-    def add_routes(self, app: FastAPI) -> None: ...
+    def add_calls(self, channel: ChannelServer) -> None:
+        """Register the service's request-path calls on the node's request channel."""
 
     @property
     def transfer_bytes(self) -> int:
@@ -239,6 +240,7 @@ class NodeState:
         self.services: list[NodeService] = []
         self.engine: LLMEngine | None = None
         self.loop: EngineLoop | None = None
+        self.channel: ChannelServer | None = None
         self.info: NodeInfo | None = None
         self.publisher: IndexPublisher | None = None
         self.load: NodeLoad | None = None  # taken on the engine thread between steps
@@ -265,7 +267,16 @@ class NodeState:
         # transport actually used is agreed with each peer at handshake.
         addresses = [s.start(node.kv_transport) for s in self.services]
         transport = kv_transfer.resolve_transport(node.kv_transport)
-        self.info = node_info(engine, node, self.role, transport, next((a for a in addresses if a), ""))
+        channel = self.channel = ChannelServer(
+            node.host, node.channel_port, node.cluster_token, self._streams_lost
+        )
+        channel.handle(AbortRequest, self._abort_call)
+        for service in self.services:
+            service.add_calls(channel)
+        self.loop.add_flush_hook(channel.flush)
+        info = node_info(engine, node, self.role, transport, next((a for a in addresses if a), ""))
+        self.info = msgspec.structs.replace(info, channel_port=channel.port)
+        channel.node_id = self.info.node_id
         self.load = node_load(engine.load())
         if publish:
             url = f"http://{node.host}:{node.port}"
@@ -279,9 +290,25 @@ class NodeState:
         for service in self.services:
             service.ready()
         self.loop.start()
+        channel.start()
         where = f" at {self.info.kv_address}" if self.info.kv_address else ""
         index = f"; prefix index at {redacted(node.redis_url)}" if publish else ""
         logger.info("%s node %s ready: KV via %s%s%s", self.role, self.info.node_id, transport, where, index)
+
+    async def close_channel(self) -> None:
+        if self.channel is not None:
+            await self.channel.close()
+
+    def _streams_lost(self, peer: Peer, request_ids: list[str]) -> None:
+        """A proxy worker went away (event loop): its streams' requests end, as their HTTP
+        connections closing did."""
+        gone = RequestStatus.FINISHED_ABORTED
+        for rid in request_ids:
+            self.loop.submit(lambda e, rid=rid: self.end_request(rid, gone, "proxy gone"))
+
+    async def _abort_call(self, peer: Peer, msg: AbortRequest) -> None:
+        rid = msg.request_id
+        await self.loop.call(lambda e: self.end_request(rid, RequestStatus.FINISHED_ABORTED, "aborted"))
 
     def stop(self) -> None:
         for service in self.services:
@@ -460,13 +487,12 @@ def node_app(state: NodeState) -> FastAPI:
         try:
             yield
         finally:
+            await state.close_channel()
             state.stop()
 
     app = FastAPI(title=f"pdserve {state.role} node", lifespan=lifespan)
     app.state.node = state
     add_common_routes(app, state)
-    for service in state.services:
-        service.add_routes(app)
     return app
 
 
