@@ -14,8 +14,8 @@ scatters it into the blocks it reserved, which need not be the sender's block id
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+
+from pdserve.kernels.triton_utils import tl, triton
 
 
 def gather_blocks_ref(

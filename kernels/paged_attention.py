@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
+
+from pdserve.kernels.triton_utils import tl, triton
 
 
 def gather_kv_ref(

@@ -33,6 +33,8 @@ from types import ModuleType  # noqa: E402
 
 import pytest  # noqa: E402
 
+pytest.importorskip("triton", reason="the kernel tests need triton (the test extra installs it)")
+
 from pdserve.kernels import block_copy, kv_write  # noqa: E402
 from pdserve.kernels import paged_attention as pa  # noqa: E402
 from tests.sm90 import compile_for_sm90  # noqa: E402
