@@ -110,6 +110,7 @@ class LLMEngine:
                 f"max_model_len {self.max_model_len}: lower max_model_len or give the cache more memory"
             )
         self.runner.allocate_kv_cache(num_blocks)
+        self.runner.warm_up()  # every Triton compile happens here, none while serving
         self.scheduler = Scheduler(
             config.scheduler,
             config.cache,
