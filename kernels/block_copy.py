@@ -50,11 +50,11 @@ PROGRAMS_PER_SM = 8
 """Enough programs per SM to keep memory busy; regions are split until the grid has this many."""
 
 
-@triton.jit(do_not_specialize=["chunks_per_part"])
+@triton.jit(do_not_specialize=["chunks_per_part"], do_not_specialize_on_alignment=["ids_ptr"])
 def _copy_blocks_kernel(
     src_ptr,
     dst_ptr,
-    ids_ptr,  # [n] block ids into the cache
+    ids_ptr,  # [n] block ids into the cache (a slice of a longer list: any alignment, read one by one)
     stride_src_layer,
     stride_src_block,
     stride_dst_layer,
