@@ -89,9 +89,13 @@ def count_jit_compiles() -> bool:
     global _installed
     if not HAS_TRITON:
         return False
-    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
-    if runtime is None or not hasattr(runtime, "jit_post_compile_hook"):
-        return False  # triton older than 3.4: no knobs
+    try:
+        from triton import knobs  # 3.4+; jit.py reads knobs.runtime's hooks at every compile
+    except ImportError:
+        return False
+    runtime = knobs.runtime
+    if not hasattr(runtime, "jit_post_compile_hook"):
+        return False
     with _lock:
         if _installed:
             return True
