@@ -14,8 +14,8 @@ scatters it into the blocks it reserved, which need not be the sender's block id
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+
+from pdserve.kernels.triton_utils import tl, triton
 
 
 def gather_blocks_ref(
@@ -39,7 +39,9 @@ def scatter_blocks_ref(
 # Program (i, layer, part) copies part ``part`` of the region of (layer, block_ids[i]) in CHUNK
 # wide steps: every element is read once and written once, nothing is reused, so this runs at
 # copy bandwidth when enough programs are in flight. ``part`` exists for small requests: with
-# few blocks a region is split over several programs so that all SMs have work.
+# few blocks a region is split over several programs so that all SMs have work. How many chunks
+# a part takes changes with the number of blocks, so it is an argument, not a constexpr (a
+# compile per value): a node compiles one gather and one scatter kernel, at warm-up.
 # ---------------------------------------------------------------------------------------------
 
 CHUNK = 4096
@@ -48,20 +50,20 @@ PROGRAMS_PER_SM = 8
 """Enough programs per SM to keep memory busy; regions are split until the grid has this many."""
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["chunks_per_part"], do_not_specialize_on_alignment=["ids_ptr"])
 def _copy_blocks_kernel(
     src_ptr,
     dst_ptr,
-    ids_ptr,  # [n] block ids into the cache
+    ids_ptr,  # [n] block ids into the cache (a slice of a longer list: any alignment, read one by one)
     stride_src_layer,
     stride_src_block,
     stride_dst_layer,
     stride_dst_block,
+    chunks_per_part,  # CHUNK-wide steps per program
     REGION: tl.constexpr,  # 2 * BS * Hkv * D: one (layer, block)'s elements
-    PART: tl.constexpr,  # elements per program, a multiple of CHUNK
     CHUNK: tl.constexpr,
     GATHER: tl.constexpr,  # True: cache -> buffer; False: buffer -> cache
-    EVEN: tl.constexpr,  # REGION % PART == 0: every step is whole, so no mask and full-width vectors
+    EVEN: tl.constexpr,  # REGION % CHUNK == 0: every step is whole, so no mask and full-width vectors
 ):
     i = tl.program_id(0)
     layer = tl.program_id(1).to(tl.int64)
@@ -73,8 +75,10 @@ def _copy_blocks_kernel(
         src_row, dst_row = i.to(tl.int64), block
     src = src_ptr + layer * stride_src_layer + src_row * stride_src_block
     dst = dst_ptr + layer * stride_dst_layer + dst_row * stride_dst_block
-    for start in tl.static_range(0, PART, CHUNK):
-        offs = part * PART + start + tl.arange(0, CHUNK)
+    first = part * chunks_per_part
+    last = tl.minimum(first + chunks_per_part, (REGION + CHUNK - 1) // CHUNK)
+    for c in range(first, last):
+        offs = c * CHUNK + tl.arange(0, CHUNK)  # a multiple of CHUNK: aligned, full-width vectors
         if EVEN:
             x = tl.load(src + offs)
             tl.store(dst + offs, x.to(dst_ptr.dtype.element_ty))
@@ -101,8 +105,8 @@ def _launch_copy(
     num_chunks = triton.cdiv(region, chunk)
     # Split each region over `parts` programs only when the grid would otherwise be too small.
     parts = min(num_chunks, max(1, triton.cdiv(_num_programs_wanted(src.device), num_ids * num_layers)))
-    part = triton.cdiv(num_chunks, parts) * chunk
-    parts = triton.cdiv(region, part)
+    chunks_per_part = triton.cdiv(num_chunks, parts)
+    parts = triton.cdiv(num_chunks, chunks_per_part)
     assert parts <= 65535 and num_layers <= 65535, "grid dimensions 1 and 2 are limited to 65535"
     _copy_blocks_kernel[(num_ids, num_layers, parts)](
         src,
@@ -112,11 +116,11 @@ def _launch_copy(
         src.stride(1),
         dst.stride(0),
         dst.stride(1),
+        chunks_per_part,
         REGION=region,
-        PART=part,
         CHUNK=chunk,
         GATHER=gather,
-        EVEN=region % part == 0,
+        EVEN=region % chunk == 0,
         num_warps=4,
     )
 

@@ -15,8 +15,8 @@ twin for CUDA (one program per token, see below).
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+
+from pdserve.kernels.triton_utils import tl, triton
 
 
 def write_kv_ref(

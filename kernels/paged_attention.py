@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
+
+from pdserve.kernels.triton_utils import tl, triton
 
 
 def gather_kv_ref(
@@ -118,11 +118,19 @@ def paged_attention_ref(
 # its normalised partial output and (max, sum), and a reduce kernel combines the partitions:
 # out = sum_p(l_p * 2^(m_p - M) * o_p) / sum_p(l_p * 2^(m_p - M)),  M = max_p m_p.
 #
-# Eager launches size the partition from the batch's longest context (a host int), so the grid
-# and constexprs change from step to step. With SPLIT_ON_DEVICE (CUDA graphs) the grid is fixed
-# at NUM_SPLITS partitions per request and each program sizes its request's partition from
-# seq_len: tile-aligned, at least PARTITION positions, at most NUM_SPLITS of them; programs past
-# the context exit at once and the reduce reads only the partitions that were written.
+# Eager launches size the partition from the batch's longest context (a host int passed as an
+# argument, not a constexpr) and round the split count of the grid up to a power of two, so they
+# compile one kernel per power of two however the batch changes. With SPLIT_ON_DEVICE (CUDA
+# graphs) the grid is fixed at NUM_SPLITS partitions per request and each program sizes its
+# request's partition from seq_len: tile-aligned, at least ``partition`` positions, at most
+# NUM_SPLITS of them. Either way programs past the context exit at once and the reduce reads only
+# the partitions that were written.
+#
+# Compiles: triton compiles a kernel per value of each constexpr and, for a plain int argument,
+# per "equals 1" and "multiple of 16". Arguments that change with the batch (the number of
+# requests, the block table's width, the partition) are therefore ``do_not_specialize``: nothing
+# in the kernels gains from knowing them, and the engine's warm-up (``ModelRunner.warm_up``) runs
+# every constexpr combination a node can meet before it serves.
 # ---------------------------------------------------------------------------------------------
 
 LOG2E = 1.4426950408889634
@@ -212,7 +220,7 @@ def _attend_tiles(
     return acc, l_i, m_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs", "stride_table"])
 def _prefill_kernel(
     q_ptr,  # [T, Hq, D]
     cache_ptr,  # [NB, 2, BS, Hkv, D] contiguous
@@ -297,7 +305,7 @@ def _prefill_kernel(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["partition", "stride_table"])
 def _decode_kernel(
     q_ptr,  # [T, Hq, D]
     cache_ptr,  # [NB, 2, BS, Hkv, D] contiguous
@@ -308,6 +316,7 @@ def _decode_kernel(
     part_out_ptr,  # [B, Hq, NUM_SPLITS, D] fp32: normalised partial outputs
     part_ml_ptr,  # [B, Hq, NUM_SPLITS, 2] fp32: (max, sum) of each partition, base 2
     qk_scale,
+    partition,  # positions per split (the least, with SPLIT_ON_DEVICE), a multiple of TILE_N
     stride_q_t,
     stride_q_h,
     stride_out_t,
@@ -323,7 +332,6 @@ def _decode_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
-    PARTITION: tl.constexpr,  # positions per split (the least, with SPLIT_ON_DEVICE), a multiple of TILE_N
     NUM_SPLITS: tl.constexpr,
     SPLIT_ON_DEVICE: tl.constexpr,  # size the partition from this request's seq_len
     DOT_PRECISION: tl.constexpr,
@@ -336,9 +344,7 @@ def _decode_kernel(
         return
     seq_len = tl.load(seq_lens_ptr + seq)
     if SPLIT_ON_DEVICE:
-        partition = tl.maximum(tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), TILE_N) * TILE_N, PARTITION)
-    else:
-        partition = PARTITION
+        partition = tl.maximum(tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), TILE_N) * TILE_N, partition)
     ctx_lo = split * partition
     if ctx_lo >= seq_len:  # this request's context is shorter than the split count covers
         return
@@ -384,18 +390,18 @@ def _decode_kernel(
         tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=h_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["partition"])
 def _decode_reduce_kernel(
     part_out_ptr,  # [B, Hq, NUM_SPLITS, D] fp32
     part_ml_ptr,  # [B, Hq, NUM_SPLITS, 2] fp32
     seq_lens_ptr,
     query_start_ptr,
     out_ptr,  # [T, Hq, D]
+    partition,  # as the decode kernel's
     stride_out_t,
     stride_out_h,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    PARTITION: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
     SPLIT_ON_DEVICE: tl.constexpr,
@@ -409,9 +415,7 @@ def _decode_reduce_kernel(
         return
     seq_len = tl.load(seq_lens_ptr + seq)
     if SPLIT_ON_DEVICE:  # the decode kernel's partition, sized the same way
-        partition = tl.maximum(tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), TILE_N) * TILE_N, PARTITION)
-    else:
-        partition = PARTITION
+        partition = tl.maximum(tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), TILE_N) * TILE_N, partition)
     num_parts = tl.cdiv(seq_len, partition)  # partitions that were written
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, BLOCK_D)
@@ -573,26 +577,25 @@ def decode_config(
     block_size: int,
     dtype: torch.dtype,
     num_splits: int,
-    partition: int,
     split_on_device: bool = False,
 ) -> dict:
-    """Constexprs and launch options of ``_decode_kernel``."""
+    """Constexprs and launch options of ``_decode_kernel`` (``num_splits``: programs per request)."""
     group = num_heads // num_kv_heads
     block_h = max(MIN_DOT, triton.next_power_of_2(group))
     block_d = max(MIN_DOT, triton.next_power_of_2(head_dim))
     itemsize = dtype.itemsize
     return dict(
         GROUP=group, BLOCK_H=block_h, TILE_N=DECODE_TILE_N, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_SIZE=block_size, PARTITION=partition, NUM_SPLITS=num_splits,
+        BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
         SPLIT_ON_DEVICE=split_on_device, DOT_PRECISION=_dot_precision(dtype), num_warps=4,
         num_stages=_pipeline_stages(2 * DECODE_TILE_N * block_d * itemsize, block_h * block_d * itemsize),
     )  # fmt: skip
 
 
-def reduce_config(head_dim: int, num_splits: int, partition: int, split_on_device: bool = False) -> dict:
+def reduce_config(head_dim: int, num_splits: int, split_on_device: bool = False) -> dict:
     """Constexprs and launch options of ``_decode_reduce_kernel``."""
     return dict(
-        HEAD_DIM=head_dim, BLOCK_D=max(MIN_DOT, triton.next_power_of_2(head_dim)), PARTITION=partition,
+        HEAD_DIM=head_dim, BLOCK_D=max(MIN_DOT, triton.next_power_of_2(head_dim)),
         NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
         SPLIT_ON_DEVICE=split_on_device, TILE_N=DECODE_TILE_N, num_warps=4,
     )  # fmt: skip
@@ -634,6 +637,37 @@ def _partition(num_splits: int, max_seq_len: int) -> tuple[int, int]:
     return triton.cdiv(max_seq_len, partition), partition
 
 
+def eager_decode_plan(
+    num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int, num_splits: int | None = None
+) -> tuple[int, int]:
+    """(programs per request, partition) of an eager decode launch: the split count of
+    :func:`decode_partition` (or ``num_splits``), rounded up to a power of two so that batches of
+    every shape meet at most 8 constexpr values; the programs past the last partition exit at once."""
+    if num_splits is None:
+        needed, partition = decode_partition(num_seqs, num_kv_heads, max_seq_len, num_sms)
+    else:
+        assert num_splits >= 1, num_splits
+        needed, partition = _partition(num_splits, max_seq_len)
+    return triton.next_power_of_2(needed), partition
+
+
+def eager_decode_warm_up_lens(num_kv_heads: int, max_model_len: int, device: torch.device) -> list[int]:
+    """Context lengths, one per split count of the grid, whose one-request eager decode launches
+    compile every decode kernel that eager decode batches up to ``max_model_len`` can meet.
+
+    Every batch's split count ``v`` (before rounding) is at most what one request reaches, and one
+    request of ``DECODE_MIN_PARTITION * v`` positions gets exactly ``v``: so these cover them all.
+    """
+    lens: dict[int, int] = {}
+    num_sms = _num_sms(device)
+    for v in range(1, DECODE_MAX_SPLITS + 1):
+        seq_len = min(v * DECODE_MIN_PARTITION, max_model_len)
+        lens.setdefault(eager_decode_plan(1, num_kv_heads, seq_len, num_sms)[0], seq_len)
+        if seq_len == max_model_len:
+            break
+    return sorted(lens.values())
+
+
 def _launch_decode(
     q, kv_cache, block_tables, seq_lens, query_start_loc, scale, max_seq_len, out, num_splits, static
 ):
@@ -644,21 +678,20 @@ def _launch_decode(
     if static is not None:
         assert num_splits is None, "a StaticDecodePlan fixes num_splits"
         num_splits, partition = static.num_splits, DECODE_MIN_PARTITION
-    elif num_splits is None:
-        num_splits, partition = decode_partition(num_seqs, num_kv_heads, max_seq_len, _num_sms(q.device))
     else:
-        assert num_splits >= 1, num_splits
-        num_splits, partition = _partition(num_splits, max_seq_len)
+        num_splits, partition = eager_decode_plan(
+            num_seqs, num_kv_heads, max_seq_len, _num_sms(q.device), num_splits
+        )
     if num_splits > 1:
         part_out, part_ml = _partials(num_seqs, num_heads, head_dim, num_splits, q.device, static)
     else:  # the decode kernel writes `out` directly; the partial pointers are unused
         part_out = part_ml = out
     config = decode_config(
-        num_heads, num_kv_heads, head_dim, block_size, q.dtype, num_splits, partition, split_on_device
+        num_heads, num_kv_heads, head_dim, block_size, q.dtype, num_splits, split_on_device
     )
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, kv_cache, block_tables, seq_lens, query_start_loc, out, part_out, part_ml,
-        scale * LOG2E,
+        scale * LOG2E, partition,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0),
@@ -666,8 +699,8 @@ def _launch_decode(
     )  # fmt: skip
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
-            part_out, part_ml, seq_lens, query_start_loc, out, out.stride(0), out.stride(1),
-            **reduce_config(head_dim, num_splits, partition, split_on_device),
+            part_out, part_ml, seq_lens, query_start_loc, out, partition, out.stride(0), out.stride(1),
+            **reduce_config(head_dim, num_splits, split_on_device),
         )  # fmt: skip
 
 

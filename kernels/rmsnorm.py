@@ -19,8 +19,8 @@ CUDA. The only numerical difference is the order of the float32 sum of squares.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+
+from pdserve.kernels.triton_utils import tl, triton
 
 
 def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # [..., N]

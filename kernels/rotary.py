@@ -19,8 +19,8 @@ float32, float16 and bfloat16.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+
+from pdserve.kernels.triton_utils import tl, triton
 
 
 def rotary_ref(

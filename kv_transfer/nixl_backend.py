@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import importlib
 import itertools
 import logging
 import math
@@ -67,6 +68,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from types import ModuleType
 
 import numpy as np
 import torch
@@ -141,9 +143,33 @@ class NixlOptions:
     """UCX_TLS for the process's agents ("" leaves the operator's or UCX's choice)."""
 
 
+NIXL_BUILDS = ("nixl_cu13", "nixl_cu12")
+"""nixl's per-CUDA builds (PyPI ``nixl-cu13``, ``nixl-cu12``), tried in this order without the meta
+package ``nixl``, which picks the build matching torch's CUDA but installs both (the tests install
+one, see pyproject.toml)."""
+
+
+def nixl_api() -> ModuleType:
+    """nixl's Python API (``nixl_agent``, ``nixl_agent_config``, ...): the meta package's when it is
+    installed, else that of the one build that is. Raises ImportError without either."""
+    try:
+        import nixl._api as api
+    except ModuleNotFoundError as e:
+        if e.name != "nixl":
+            raise
+        for build in NIXL_BUILDS:
+            try:
+                return importlib.import_module(f"{build}._api")
+            except ModuleNotFoundError as missing:
+                if missing.name != build:
+                    raise
+        raise ImportError(f"nixl is not installed (neither `nixl` nor one of {NIXL_BUILDS})") from e
+    return api
+
+
 def nixl_available() -> bool:
     try:
-        import nixl._api  # noqa: F401
+        nixl_api()
     except Exception:  # ImportError, or a wheel that cannot load its libraries here
         return False
     return True
@@ -152,15 +178,14 @@ def nixl_available() -> bool:
 def _agent(role: str, options: NixlOptions):
     import uuid
 
-    from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
-
+    api = nixl_api()
     # UCX reads its environment when the backend starts, just below: CUDA IPC READs on unless the
     # operator chose otherwise (``envs.UCX_CUDA_IPC_GET_ZCOPY_DEFAULT`` says why), ``ucx_tls``.
     envs.set_up_ucx(options.ucx_tls)
-    config = nixl_agent_config(
-        enable_prog_thread=False, backends=[], sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
+    config = api.nixl_agent_config(
+        enable_prog_thread=False, backends=[], sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
     )
-    agent = nixl_agent(f"pdserve-{role}-{uuid.uuid4().hex[:12]}", config)
+    agent = api.nixl_agent(f"pdserve-{role}-{uuid.uuid4().hex[:12]}", config)
     devices = options.ucx_net_devices
     agent.create_backend("UCX", {"ucx_devices": devices} if devices else {})
     return agent

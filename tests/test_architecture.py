@@ -161,3 +161,70 @@ def test_import_pdserve_is_lazy():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["False", "SamplingParams"]
+
+
+def _requirements(site: Path) -> list[str]:
+    (meta,) = site.glob("pdserve-*.dist-info/METADATA")
+    return [
+        line.split(":", 1)[1].strip()
+        for line in meta.read_text().splitlines()
+        if line.startswith("Requires-Dist:")
+    ]
+
+
+def test_triton_and_nixl_come_only_where_they_are_used(site):
+    """torch's CUDA builds bring triton, so pdserve itself never requires it (torch's CPU wheel and
+    no triton is a whole install); the test extra takes one nixl build, not the meta package ``nixl``
+    that pulls the CUDA 12 and CUDA 13 builds, which only the ``nixl`` extra asks for."""
+    from packaging.requirements import Requirement
+
+    reqs = [Requirement(r) for r in _requirements(site)]
+
+    def extras(name: str) -> set[str]:
+        """The extras that require ``name`` ("" for a requirement of every install)."""
+        found = set()
+        for r in reqs:
+            if r.name == name:
+                marker = str(r.marker or "")
+                found.add(marker.split("extra ==", 1)[1].strip(" '\"") if "extra ==" in marker else "")
+        return found
+
+    assert any(r.name == "torch" for r in reqs), reqs
+    assert extras("triton") == {"test"}
+    assert extras("nixl") == {"nixl"}
+    assert extras("nixl-cu13") == {"test"}
+    assert not extras("nixl-cu12")
+
+
+def test_engine_runs_on_cpu_without_triton():
+    """With triton unimportable, as after ``pip install torch==2.13.0 pdserve``: pdserve, the engine,
+    the kernels' references and the KV transports import, and a CPU ``LLM.generate`` runs."""
+    code = (
+        "import sys\n"
+        "class NoTriton:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] == 'triton':\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+        "sys.meta_path.insert(0, NoTriton())\n"
+        "import torch\n"
+        "torch.set_num_threads(1)\n"
+        "import pdserve.engine.llm_engine, pdserve.engine.model_runner, pdserve.engine.cuda_graphs\n"
+        "import pdserve.kernels.paged_attention, pdserve.kernels.block_copy, pdserve.kv_transfer\n"
+        "from pdserve import LLM, SamplingParams\n"
+        "from pdserve.kernels.triton_utils import HAS_TRITON, count_jit_compiles, num_jit_compiles\n"
+        "llm = LLM(model='random:tiny', max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64)\n"
+        "params = SamplingParams(max_tokens=4, ignore_eos=True)\n"
+        "out = llm.generate([{'prompt_token_ids': [1, 2, 3]}], params)\n"
+        "print(HAS_TRITON, count_jit_compiles(), num_jit_compiles(), llm.engine.load().num_jit_compiles)\n"
+        "print(len(out[0].outputs[0].token_ids))\n"
+        "try:\n"
+        "    pdserve.kernels.block_copy.gather_blocks(torch.zeros(1, 2, 2, 4, 1, 8), torch.tensor([1]))\n"
+        "except ModuleNotFoundError as e:\n"
+        "    print('triton is not installed' in str(e))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split("\n")[:3] == ["False False 0 0", "4", "True"], proc.stdout

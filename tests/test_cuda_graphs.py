@@ -56,9 +56,9 @@ def test_static_decode_rejects_prefill_and_small_workspace():
 STATIC_SM90_BODY = """
 bf16 = torch.bfloat16
 for splits in (1, 64):
-    config = pa.decode_config(32, 8, 128, 16, bf16, splits, 128, True)
+    config = pa.decode_config(32, 8, 128, 16, bf16, splits, True)
     compile_sm90(pa._decode_kernel, config, PTR, ("qk_scale",))
-compile_sm90(pa._decode_reduce_kernel, pa.reduce_config(128, 64, 128, True), PTR)
+compile_sm90(pa._decode_reduce_kernel, pa.reduce_config(128, 64, True), PTR)
 print("compiled")
 """
 

@@ -8,6 +8,7 @@ import pytest
 from pdserve.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.outputs import EngineLoad, LaunchedChunk
+from pdserve.kernels.triton_utils import num_jit_compiles
 from pdserve.sampling_params import SamplingParams
 
 PROMPT = list(range(5, 45))  # 40 tokens: 3 blocks of 16
@@ -32,7 +33,8 @@ def _run_until_held(engine: LLMEngine, request_id: str) -> None:
 
 
 def test_load_counts_queues_blocks_and_pending_prompt_tokens(engine):
-    assert engine.load() == EngineLoad(0, 0, 0, 0, 32, 32, 0, 0, 0)
+    # The last field counts the process's Triton compiles: 0 on the CPU, the warm-up's on CUDA.
+    assert engine.load() == EngineLoad(0, 0, 0, 0, 32, 32, 0, 0, 0, num_jit_compiles())
     engine.add_request("a", None, SamplingParams(max_tokens=3), prompt_token_ids=PROMPT)
     engine.add_request("b", None, SamplingParams(max_tokens=3), prompt_token_ids=[7] * 20)
     load = engine.load()

@@ -22,6 +22,8 @@ from pdserve.kernels import rmsnorm as rn
 from pdserve.kernels import rotary as rt
 from tests.sm90 import compile_for_sm90
 
+pytest.importorskip("triton", reason="the kernel tests need triton (the test extra installs it)")
+
 ON_GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}

@@ -65,6 +65,7 @@ def test_colocated_node_serves_whole_requests(cluster, llm):
     assert got[-1][1]["prompt_tokens_details"]["cached_tokens"] >= 96  # the shared system prompt
     m = metrics(both)
     assert m["pdserve_kv_transfer_bytes_total"] == 0  # nothing moved: prefill and decode in one place
+    assert m["pdserve_jit_compiles_total"] == 0  # the CPU engine runs the kernels' torch references
 
 
 def test_short_and_mostly_cached_prompts_skip_the_prefill_node(cluster, llm):

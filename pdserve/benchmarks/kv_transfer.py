@@ -78,9 +78,10 @@ def _sync(device: str) -> None:
 
 
 def _nixl_agent(name: str):
-    from nixl._api import nixl_agent, nixl_agent_config
+    from pdserve.kv_transfer.nixl_backend import nixl_api
 
-    return nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+    api = nixl_api()
+    return api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
 
 
 def _pieces(address: int, nbytes: int, piece: int, device: int) -> list[tuple[int, int, int]]:

@@ -43,6 +43,7 @@ from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampler import PendingSample, Sampler, SamplingRow, make_generator
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
 from pdserve.hashing import BlockEvent
+from pdserve.kernels.triton_utils import count_jit_compiles, num_jit_compiles
 from pdserve.logprobs import TokenLogprobs
 from pdserve.model_source import resolve_model
 from pdserve.sampling_params import SamplingParams
@@ -88,6 +89,7 @@ class LLMEngine:
             )
         if config.device.num_threads > 0:
             torch.set_num_threads(config.device.num_threads)
+        count_jit_compiles()  # before the first kernel: pdserve_jit_compiles_total counts them all
 
         self.model = load_model(
             self.source,
@@ -108,6 +110,7 @@ class LLMEngine:
                 f"max_model_len {self.max_model_len}: lower max_model_len or give the cache more memory"
             )
         self.runner.allocate_kv_cache(num_blocks)
+        self.runner.warm_up()  # every Triton compile happens here, none while serving
         self.scheduler = Scheduler(
             config.scheduler,
             config.cache,
@@ -323,6 +326,7 @@ class LLMEngine:
             num_pending_prompt_tokens=self.num_pending_prompt_tokens(),
             num_prompt_tokens_computed=self.num_prompt_tokens_computed,
             num_prefix_hit_tokens=s.num_prefix_hit_tokens,
+            num_jit_compiles=num_jit_compiles(),
         )
 
     def request_ids(self) -> list[str]:

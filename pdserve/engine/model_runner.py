@@ -1,7 +1,9 @@
 """Runs the model for one scheduled step: builds the flat token batch, owns the KV cache memory.
 
 On CUDA, unless ``enforce_eager``, pure-decode steps replay CUDA graphs captured right after the
-KV cache is allocated (``cuda_graphs.py``); prefill and mixed steps run eagerly.
+KV cache is allocated (``cuda_graphs.py``); prefill and mixed steps run eagerly. ``warm_up`` then
+launches every other Triton specialization a step can meet, so that nothing compiles while the
+engine serves.
 
 ``execute`` never waits for the device: host lists go up through pinned memory (``copies.py``)
 and input ids that the previous step sampled (output placeholders under async scheduling) are
@@ -11,6 +13,7 @@ copied from that step's sampled tensor on the device, so step N+1 is queued whil
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +25,9 @@ from pdserve.engine.cuda_graphs import DecodeGraphs
 from pdserve.engine.models.arch import ArchConfig
 from pdserve.engine.models.llama import CausalLM
 from pdserve.engine.scheduler import SchedulerOutput
+from pdserve.kernels.block_copy import gather_blocks, scatter_blocks
+from pdserve.kernels.paged_attention import eager_decode_warm_up_lens, prefill_config
+from pdserve.kernels.triton_utils import num_jit_compiles
 from pdserve.utils import cdiv
 
 logger = logging.getLogger(__name__)
@@ -106,6 +112,61 @@ class ModelRunner:
                 device=self.device,
             )
             self.graphs.capture()
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Launch every Triton kernel specialization a step of this engine can meet, once, before
+        it serves (CUDA; after ``allocate_kv_cache``, whose graph capture ran the decode graphs').
+
+        Beyond the model's fixed shapes and dtype, the kernels specialize on (see
+        ``pdserve.kernels.triton_utils``):
+
+        - prefill and mixed steps: ``prefill_config``, whose query tile is a power of two picked
+          from the step's longest query: one forward per distinct config, queries of 2 up to
+          ``max_num_batched_tokens`` tokens;
+        - eager decode steps (``enforce_eager``): the grid's split count, a power of two
+          (``eager_decode_warm_up_lens``); graphs fix theirs at capture;
+        - the KV transports' block copies: one gather (the sender), one scatter (the receiver).
+
+        The rest of what changes from step to step (token and request counts, the block table's
+        width, contexts) is not specialized on. The forwards write KV into blocks that hold
+        nothing yet.
+        """
+        if self.device.type != "cuda":
+            return
+        start, before = time.monotonic(), num_jit_compiles()
+        a, dev = self.arch, self.device
+        longest = min(self.config.scheduler.max_num_batched_tokens, self.config.model.max_model_len)
+        configs = set()
+        for n in sorted({1 << k for k in range(1, longest.bit_length())} | {longest}):
+            config = prefill_config(a.num_heads, a.num_kv_heads, a.head_dim, self.block_size, self.dtype, n)
+            key = tuple(sorted(config.items()))
+            if n >= 2 and key not in configs:
+                configs.add(key)
+                self._warm_up_forward(n, n)
+        if self.graphs is None:
+            for seq_len in eager_decode_warm_up_lens(a.num_kv_heads, self.config.model.max_model_len, dev):
+                self._warm_up_forward(1, seq_len)
+        # As the transports call them: every layer (or a run of layers) of int64 block ids.
+        ids = torch.arange(min(2, self.kv_cache.shape[1]), dtype=torch.long, device=dev)
+        scatter_blocks(gather_blocks(self.kv_cache, ids), self.kv_cache, ids)
+        torch.cuda.synchronize(dev)
+        logger.info(
+            "warm-up: %d Triton kernels compiled in %.1f s (%d prefill configs, %s)",
+            num_jit_compiles() - before,
+            time.monotonic() - start,
+            len(configs),
+            "decode in CUDA graphs" if self.graphs is not None else "eager decode",
+        )
+
+    def _warm_up_forward(self, query_len: int, seq_len: int) -> None:
+        """One request's forward over blocks 0, 1, ...: its last ``query_len`` of ``seq_len`` tokens."""
+        positions = list(range(seq_len - query_len, seq_len))  # also the slots: block i holds block i
+        blocks = list(range(cdiv(seq_len, self.block_size)))
+        meta = AttentionMetadata.build(positions, [blocks], [seq_len], [query_len], self.device)
+        ids = torch.zeros(query_len, dtype=torch.long, device=self.device)
+        hidden = self.model(ids, to_device(positions, torch.long, self.device), meta, self.backend)
+        self.model.compute_logits(hidden[-1:])
 
     def _bind_kv_cache(self, num_blocks: int) -> None:
         a = self.arch

@@ -61,6 +61,9 @@ class EngineLoad:
     """Prompt tokens run through the model since the engine started (cache hits excluded)."""
     num_prefix_hit_tokens: int
     """Prompt tokens found in the prefix cache when requests were admitted, since the start."""
+    num_jit_compiles: int = 0
+    """Triton kernels compiled in the engine's process since it started (0 on the CPU): flat once
+    the start-up warm-up is over (``pdserve.kernels.triton_utils``)."""
 
 
 @dataclass(frozen=True)

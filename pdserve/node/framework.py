@@ -147,6 +147,10 @@ class NodeMetrics:
         self.prefix_hits = r.counter(
             "pdserve_prefix_cache_hit_tokens_total", "Prompt tokens served from this node's prefix cache."
         )
+        self.jit_compiles = r.counter(
+            "pdserve_jit_compiles_total",
+            "Triton kernels compiled by the engine's process; flat after the start-up warm-up (0 on CPU).",
+        )
         self.transfer_bytes = r.counter("pdserve_kv_transfer_bytes_total", "KV bytes sent or received.")
         self.transfer_seconds = r.histogram(
             "pdserve_kv_transfer_seconds",
@@ -173,6 +177,7 @@ class NodeMetrics:
             self.waiting.set(load.num_waiting + load.num_waiting_for_kv)
             self._advance(self.prompt_tokens, "prompt", load.num_prompt_tokens_computed)
             self._advance(self.prefix_hits, "hits", load.num_prefix_hit_tokens)
+            self._advance(self.jit_compiles, "jit", load.num_jit_compiles)
         self._advance(self.transfer_bytes, "bytes", transfer_bytes)
         return self.registry.render()
 
