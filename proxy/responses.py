@@ -221,8 +221,8 @@ class CompletionBuilder(_Builder):
         text = event.text
         if self.echo_text:
             text, self.echo_text = self.echo_text + text, ""
-        if not text and event.finish_reason is None and not (logprobs and logprobs.tokens):
-            return None
+        if not text and not event.token_ids and event.finish_reason is None:
+            return None  # nothing new (as vLLM: a token that completes no character still streams)
         if logprobs is None:
             tail = b',"logprobs":null,"finish_reason":%b,"stop_reason":%b}],"system_fingerprint":null}\n\n'
             return self._head + _json(text) + tail % _finish(event)
@@ -302,8 +302,8 @@ class ChatBuilder(_Builder):
         logprobs = None
         if self.num_logprobs is not None:
             logprobs = ChatChoiceLogprobs(content=self._logprobs(event.logprobs))
-        if not event.text and event.finish_reason is None and not (logprobs and logprobs.content):
-            return None
+        if not event.text and not event.token_ids and event.finish_reason is None:
+            return None  # nothing new (as vLLM: a token that completes no character still streams)
         if logprobs is None:
             tail = b'},"logprobs":null,"finish_reason":%b,"stop_reason":%b}]}\n\n'
             return self._head + _json(event.text) + tail % _finish(event)
