@@ -197,3 +197,5 @@ class TransportPlugin(Generic[OptionsT]):
     receiver_plane: Callable[[OptionsT], ReceiverPlane]
     auto_on_cpu: bool = False
     """Offered by ``auto`` on a CPU-only host too (else only where CUDA is)."""
+    in_auto: bool = True
+    """Offered by ``auto`` at all (the sim transport, for simulated nodes only, is not)."""
