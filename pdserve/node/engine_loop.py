@@ -124,6 +124,16 @@ class EngineLoop:
     def publish(self, output: RequestOutput) -> None:
         self.loop.call_soon_threadsafe(self._deliver, output)
 
+    def publish_step(self, outputs: list[RequestOutput]) -> None:
+        """A step's outputs in one hand-over to the event loop: each ``call_soon_threadsafe`` wakes
+        the loop through its self-pipe (a syscall), a cost per step rather than per request."""
+        if outputs:
+            self.loop.call_soon_threadsafe(self._deliver_all, outputs)
+
+    def _deliver_all(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            self._deliver(output)
+
     def _deliver(self, output: RequestOutput) -> None:
         q = self._subscribers.get(output.request_id)
         if q is not None:
@@ -161,8 +171,7 @@ class EngineLoop:
                 self._fail_all("internal error in the engine step")
                 continue
             self.num_steps += 1
-            for output in outputs:
-                self.publish(output)
+            self.publish_step(outputs)
             if self.after_step is not None:
                 self._guard(self.after_step, outputs)
 
