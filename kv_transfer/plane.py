@@ -135,6 +135,10 @@ class SenderPlane(ABC):
     @abstractmethod
     def register(self, kv: torch.Tensor) -> None: ...
 
+    def block_bytes(self, kv: torch.Tensor) -> int:
+        """Bytes one block of ``kv`` (all layers) counts for in the sender's ``bytes_sent``."""
+        return kv[:, 0].numel() * kv.element_size()
+
     def offer(self) -> PlaneOffer | None:
         """This plane's part of the KVSetup the sender offers (None: it needs no parameters)."""
         return None

@@ -6,7 +6,8 @@ plane does (frames on the control connection, validated against the reservation 
 refusals, commits and aborts run for real) and, before the frames leave, holds the peer's queue for
 the time the simulated model's real blocks would take on the calibrated link:
 ``latency_s + blocks x bytes_per_block / gbps``. Each prefill-decode pair is one link: a pair's
-sends queue behind each other (one thread per peer runs them in order), other pairs' do not.
+sends queue behind each other (one thread per peer runs them in order), other pairs' do not. Both
+ends count the real bytes in ``bytes_sent``/``bytes_received`` (the nodes' KV transfer metrics).
 
 Only simulated nodes use it: ``auto`` never offers it, and a node whose engine is simulated asks
 for it alone (``pdserve.node.framework``), passing ``SimOptions`` from its calibration.
@@ -15,10 +16,13 @@ for it alone (``pdserve.node.framework``), passing ``SimOptions`` from its calib
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
 from pdserve.kv_transfer.base import Staged
-from pdserve.kv_transfer.messages import KVSetup, KVSetupReply
+from pdserve.kv_transfer.messages import KVBlocks, KVSetup, KVSetupReply
 from pdserve.kv_transfer.plane import ControlLink, TransportPlugin
 from pdserve.kv_transfer.zmq_backend import ZmqReceiverPlane, ZmqSenderPlane, ZmqSession
 
@@ -39,13 +43,25 @@ class SimOptions:
 
 
 class SimReceiverPlane(ZmqReceiverPlane):
+    """zmq's receiver; ``bytes_received`` counts the simulated model's bytes (as a real node's
+    metrics would), not the payload's."""
+
     name = "sim"
 
     def __init__(self, options: SimOptions = SimOptions()) -> None:
         super().__init__()
+        self.sim = options
 
     def setup(self, peer: bytes, msg: KVSetup) -> KVSetupReply:
         return KVSetupReply(ok=True, transport="sim")
+
+    def handle(self, peer: bytes, msg: KVBlocks, payload: Sequence) -> str:
+        received = self.bytes_received
+        error = super().handle(peer, msg, payload)
+        if not error and self.sim.bytes_per_block:
+            layers = (msg.layer_end - msg.layer_start) / self.kv.shape[0]
+            self.bytes_received = received + round(len(msg.block_ids) * layers * self.sim.bytes_per_block)
+        return error
 
 
 class SimSenderPlane(ZmqSenderPlane):
@@ -54,6 +70,9 @@ class SimSenderPlane(ZmqSenderPlane):
     def __init__(self, options: SimOptions = SimOptions()) -> None:
         super().__init__()
         self.sim = options
+
+    def block_bytes(self, kv: torch.Tensor) -> int:
+        return self.sim.bytes_per_block or super().block_bytes(kv)
 
     def connect(self, link: ControlLink, setup: KVSetup, reply: KVSetupReply, deadline: float) -> SimSession:
         return SimSession(self, link)

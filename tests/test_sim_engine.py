@@ -161,7 +161,7 @@ def test_sim_transport_takes_the_modelled_link_time():
 
     opts = kv_transfer.SimOptions(latency_s=0.05, gbps=1.0, bytes_per_block=50_000_000)  # 50 ms a block
     src = torch.randn(L, NB, 2, BS, H, D)
-    r = Receiver("sim")
+    r = Receiver("sim", options=(opts,))
     sender = make_sender("sim", src, options=(opts,))
     try:
         sender.handshake(r.address, info("prefill-0"), 5)
@@ -172,6 +172,8 @@ def test_sim_transport_takes_the_modelled_link_time():
         assert 0.2 <= took < 0.6, took  # 50 ms + 3 x 50 ms
         assert torch.equal(r.dst[:, [1, 2, 3]], src[:, [4, 5, 6]])
         assert sender._peers[r.address].transport == "sim"
+        # Both ends count the simulated model's bytes, as a real node's metrics would.
+        assert sender.bytes_sent == r.receiver.bytes_received == 3 * 50_000_000
     finally:
         sender.close()
         r.close()
