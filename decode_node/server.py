@@ -73,7 +73,11 @@ class DecodeService(NodeService):
         self.table = ReservationTable(engine.arch.num_layers)
         node = state.node
         self.receiver = kv_transfer.create_receiver(
-            transport, host=node.kv_host, port=node.kv_port, cluster_token=node.cluster_token
+            transport,
+            host=node.kv_host,
+            port=node.kv_port,
+            cluster_token=node.cluster_token,
+            options=state.kv_options,
         )
         self.receiver.register_kv_cache(engine.kv_cache)
         provisional = node_info(engine, node, state.role, transport, "")

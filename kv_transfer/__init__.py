@@ -43,9 +43,11 @@ moves the blocks on its own data plane, behind the typed interfaces of ``plane``
   registered KV cache into its own (UCX; VRAM on GPUs, DRAM on the CPU): no copy on either side.
 * ``nccl``: send/recv on a communicator per prefill-decode pair (torch.distributed's NCCL
   backend for CUDA caches, gloo for CPU caches: one code path), on its own CUDA stream.
+* ``sim``: simulated nodes' tiny payloads as zmq frames, held back for the time the simulated
+  model's real blocks take on the calibrated link; never offered by ``auto``.
 
 Each is configured by its own options object (``ZmqOptions``, ``NixlOptions`` with its
-``StagingOptions``, ``NcclOptions``: frozen dataclasses whose defaults are the tuned values),
+``StagingOptions``, ``NcclOptions``, ``SimOptions``: frozen dataclasses whose defaults are the tuned values),
 passed to ``create_sender``/``create_receiver`` (a node passes none: the defaults); nothing
 rewrites a module's globals. Every message on the connection lives in ``messages``. Adding a
 transport means one new file (``<name>_backend.py``: its options, its two planes, a
@@ -68,7 +70,7 @@ available on a host with CUDA, and zmq alone on a CPU-only host, where zmq is th
 import functools
 from collections.abc import Sequence
 
-from pdserve.kv_transfer import nccl_backend, nixl_backend, zmq_backend
+from pdserve.kv_transfer import nccl_backend, nixl_backend, sim_backend, zmq_backend
 from pdserve.kv_transfer.base import (
     KVHandshakeRefused,
     KVReceiver,
@@ -82,6 +84,7 @@ from pdserve.kv_transfer.control import ControlReceiver, ControlSender
 from pdserve.kv_transfer.nccl_backend import NcclOptions
 from pdserve.kv_transfer.nixl_backend import NixlOptions
 from pdserve.kv_transfer.plane import TransportPlugin
+from pdserve.kv_transfer.sim_backend import SimOptions
 from pdserve.kv_transfer.staging import StagingOptions
 from pdserve.kv_transfer.zmq_backend import ZmqOptions
 
@@ -94,6 +97,7 @@ __all__ = [
     "NcclOptions",
     "NixlOptions",
     "REGISTRY",
+    "SimOptions",
     "ReservationTable",
     "StagingOptions",
     "TRANSPORTS",
@@ -112,8 +116,10 @@ REGISTRY: dict[str, TransportPlugin] = {
     "nixl": nixl_backend.PLUGIN,
     "nccl": nccl_backend.PLUGIN,
     "zmq": zmq_backend.PLUGIN,
+    "sim": sim_backend.PLUGIN,
 }
-"""Every transport, best first (the order ``auto`` prefers)."""
+"""Every transport, best first (the order ``auto`` prefers; ``auto`` leaves out those not
+``in_auto``)."""
 
 TRANSPORTS = tuple(REGISTRY)
 
@@ -133,9 +139,12 @@ def available_transports() -> tuple[str, ...]:
 def auto_transports() -> tuple[str, ...]:
     """What ``auto`` offers and accepts: all available transports, best first, on a CUDA host; those
     meant for the CPU (zmq) on a CPU-only one."""
-    if _cuda():
-        return available_transports()
-    return tuple(name for name in available_transports() if REGISTRY[name].auto_on_cpu)
+    cuda = _cuda()
+    return tuple(
+        name
+        for name in available_transports()
+        if REGISTRY[name].in_auto and (cuda or REGISTRY[name].auto_on_cpu)
+    )
 
 
 def transport_preferences(name: str) -> tuple[str, ...]:

@@ -572,7 +572,8 @@ class ControlSender(KVSender):
     def register_kv_cache(self, kv_cache: torch.Tensor) -> None:
         assert kv_cache.dim() == 6 and kv_cache.is_contiguous(), "kv_cache must be [L, NB, 2, BS, Hkv, D]"
         self.kv = kv_cache
-        self._bytes_per_block = kv_cache[:, 0].numel() * kv_cache.element_size()
+        # What a block counts for in ``bytes_sent``: its bytes, or what a plane says it stands for.
+        self._bytes_per_block = max(plane.block_bytes(kv_cache) for plane in self.planes.values())
         for plane in self.planes.values():
             plane.register(kv_cache)
 

@@ -135,6 +135,10 @@ class SenderPlane(ABC):
     @abstractmethod
     def register(self, kv: torch.Tensor) -> None: ...
 
+    def block_bytes(self, kv: torch.Tensor) -> int:
+        """Bytes one block of ``kv`` (all layers) counts for in the sender's ``bytes_sent``."""
+        return kv[:, 0].numel() * kv.element_size()
+
     def offer(self) -> PlaneOffer | None:
         """This plane's part of the KVSetup the sender offers (None: it needs no parameters)."""
         return None
@@ -197,3 +201,5 @@ class TransportPlugin(Generic[OptionsT]):
     receiver_plane: Callable[[OptionsT], ReceiverPlane]
     auto_on_cpu: bool = False
     """Offered by ``auto`` on a CPU-only host too (else only where CUDA is)."""
+    in_auto: bool = True
+    """Offered by ``auto`` at all (the sim transport, for simulated nodes only, is not)."""

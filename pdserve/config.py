@@ -56,7 +56,8 @@ class ModelConfig:
     """Which weights to serve and how to hold them."""
 
     model: str = DEFAULT_MODEL
-    """`default`, an HF-format folder, or a random-weight preset such as `random:tiny`."""
+    """`default`, an HF-format folder, a random-weight preset such as `random:tiny`, or a simulated
+    model such as `sim:llama-3-8b@h100` (a preset's shape with step times modelled for a GPU)."""
     dtype: str = "auto"
     """`auto` (float32 on CPU, the checkpoint's dtype on CUDA), float32, bfloat16 or float16."""
     max_model_len: int | None = None
@@ -67,6 +68,9 @@ class ModelConfig:
     """Where converted models live; empty means $PDSERVE_CACHE_DIR or ~/.cache/pdserve."""
     enforce_eager: bool = False
     """Run every step eagerly; no CUDA graphs."""
+    sim_calibration: str = ""
+    """For a `sim:` model: a calibration JSON (python -m pdserve.engine.sim.calibration) or a
+    gpu_engine benchmark JSON of your GPU, instead of the preset's figures."""
 
     @property
     def resolved_cache_dir(self) -> Path:

@@ -63,10 +63,16 @@ _PRESETS: dict[str, dict] = {
 }
 
 RANDOM_PREFIX = "random:"
+SIM_PREFIX = "sim:"
+"""``sim:<shape>@<gpu>``: a preset's shape on a simulated GPU (``pdserve.engine.sim``)."""
 
 
 def preset_names() -> list[str]:
     return [RANDOM_PREFIX + name for name in _PRESETS]
+
+
+def sim_names() -> list[str]:
+    return [f"{SIM_PREFIX}{name}@<gpu>" for name in _PRESETS]
 
 
 @dataclass(frozen=True)
@@ -80,6 +86,9 @@ class ModelSource:
     """None for random-weight presets."""
     tokenizer_dir: Path | None
     """None when the model has no tokenizer: prompts must then be token ids."""
+    simulated_gpu: str = ""
+    """For ``sim:<shape>@<gpu>``: the GPU whose step times the engine models (its forward is not
+    run); empty for a real model."""
 
 
 def resolve_model(config: ModelConfig) -> ModelSource:
@@ -97,11 +106,21 @@ def resolve_model(config: ModelConfig) -> ModelSource:
         if _PRESETS[preset]["vocab_size"] == 49152:
             tokenizer_dir = ensure_default_model(config.resolved_cache_dir)
         return ModelSource(name, dict(_PRESETS[preset]), None, tokenizer_dir)
+    if name.startswith(SIM_PREFIX):
+        shape, _, gpu = name[len(SIM_PREFIX) :].partition("@")
+        if shape not in _PRESETS or not gpu:
+            raise ValueError(
+                f"unknown simulated model {name!r}; write one of {sim_names()}, e.g. sim:llama-3-8b@h100"
+            )
+        # Simulated tokens stay inside the default model's vocabulary: its tokenizer serves every shape.
+        tokenizer_dir = ensure_default_model(config.resolved_cache_dir)
+        return ModelSource(name, dict(_PRESETS[shape]), None, tokenizer_dir, simulated_gpu=gpu)
     folder = Path(name).expanduser()
     if not folder.is_dir():
         raise FileNotFoundError(
-            f"model {name!r} is neither 'default', a random preset ({', '.join(preset_names())}) "
-            f"nor an HF-format folder (pdserve loads nothing from the network)"
+            f"model {name!r} is neither 'default', a random preset ({', '.join(preset_names())}), "
+            f"a simulated one (sim:<shape>@<gpu>) nor an HF-format folder "
+            "(pdserve loads nothing from the network)"
         )
     has_tokenizer = any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
     return ModelSource(folder.name, read_hf_config(folder), folder, folder if has_tokenizer else None)

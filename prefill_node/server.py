@@ -118,7 +118,9 @@ class PrefillService(NodeService):
         self._handshakes: dict[str, asyncio.Future] = {}  # event loop only: decode KV address -> handshake
 
     def start(self, transport: str) -> str:
-        self.sender = kv_transfer.create_sender(transport, cluster_token=self.state.node.cluster_token)
+        self.sender = kv_transfer.create_sender(
+            transport, cluster_token=self.state.node.cluster_token, options=self.state.kv_options
+        )
         self.sender.register_kv_cache(self.state.engine.kv_cache)
         self.state.engine.add_launch_listener(self._ship_launched)
         return ""

@@ -139,17 +139,21 @@ def redis_server(tmp_path):
 
 
 @contextlib.contextmanager
-def running_cluster(tmp_path_factory, engine_flags: Sequence[str] = (), **options) -> Iterator:
-    """A ``LocalCluster`` of real processes on the default model: a free port, one torch thread
-    per node, logs in a fresh temporary folder, ``options`` for the rest of its ``ClusterConfig``.
-    Stopped (proxies drained, then nodes) on exit, whatever happened."""
+def running_cluster(
+    tmp_path_factory, engine_flags: Sequence[str] = (), model: str = "default", **options
+) -> Iterator:
+    """A ``LocalCluster`` of real processes on the default model (or ``model``, e.g. a simulated
+    one): a free port, one torch thread per node, logs in a fresh temporary folder, ``options``
+    for the rest of its ``ClusterConfig``. Stopped (proxies drained, then nodes) on exit, whatever
+    happened."""
     from pdserve.cluster import ClusterConfig, LocalCluster, free_port
     from pdserve.config import ModelConfig
 
     options.setdefault("port", free_port())
     options.setdefault("threads_per_node", 1)
     options.setdefault("log_dir", str(tmp_path_factory.mktemp("logs")))
-    cluster = LocalCluster(ClusterConfig(**options), list(engine_flags), ModelConfig())
+    flags = list(engine_flags) if model == "default" else ["--model", model, *engine_flags]
+    cluster = LocalCluster(ClusterConfig(**options), flags, ModelConfig(model=model))
     try:
         cluster.start()
         yield cluster

@@ -30,6 +30,7 @@ BACKENDS = [
     pytest.param("nixl-packed", marks=_NIXL),  # packed into staging slots, one READ a slot
     "nccl",
     "nccl-direct",  # nccl moving blocks straight between the caches (not through staging buffers)
+    "sim",  # zmq's frames after a modelled link time (none by default)
 ]
 ACROSS_PROCESSES = [b for b in BACKENDS if getattr(b, "values", (b,))[0] != "nixl-packed"]
 """The slower tests across processes take each transport's failure paths once."""

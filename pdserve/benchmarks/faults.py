@@ -156,6 +156,7 @@ class Spec:
     max_tokens: int
     abort_after_chunks: int = -1  # streaming: hang up after this many chunks; -1: never
     abort_after_s: float = -1.0  # plain: hang up after this many seconds; -1: never
+    model: str = MODEL  # the served model name it asks for
 
 
 @dataclass(frozen=True)
@@ -172,6 +173,7 @@ def make_specs(
     abort_fraction: float = 0.0,
     prompt_words: tuple[int, int] = (4, 24),
     max_tokens: tuple[int, int] = (2, 8),
+    model: str = MODEL,
 ) -> list[Spec]:
     """A seeded mix of chat/completions, streaming or not, short prompts and outputs."""
     rng = random.Random(seed)
@@ -189,6 +191,7 @@ def make_specs(
                 max_tokens=rng.randint(*max_tokens),
                 abort_after_chunks=rng.randint(0, 4) if abort and stream else -1,
                 abort_after_s=rng.uniform(0.0, 1.5) if abort and not stream else -1.0,
+                model=model,
             )
         )
     return specs
@@ -196,7 +199,7 @@ def make_specs(
 
 def _body(spec: Spec) -> tuple[str, dict]:
     common = {
-        "model": MODEL,
+        "model": spec.model,
         "max_tokens": spec.max_tokens,
         "temperature": 0.7,
         "ignore_eos": True,
@@ -379,7 +382,7 @@ def settle(node_urls: list[str], token: str = "", timeout: float = 30.0) -> tupl
         time.sleep(0.2)
 
 
-def probe(proxy_url: str, attempts: int = 3, pause_s: float = 2.0) -> tuple[bool, str]:
+def probe(proxy_url: str, attempts: int = 3, pause_s: float = 2.0, model: str = MODEL) -> tuple[bool, str]:
     """A fresh chat request and a fresh streaming completion through the proxy.
 
     A few attempts are allowed: a proxy notices a dead node within its load-poll interval.
@@ -392,7 +395,7 @@ def probe(proxy_url: str, attempts: int = 3, pause_s: float = 2.0) -> tuple[bool
             r = httpx.post(
                 f"{proxy_url}/v1/chat/completions",
                 json={
-                    "model": MODEL,
+                    "model": model,
                     "messages": [{"role": "user", "content": "Say hello."}],
                     "max_tokens": 4,
                 },
@@ -401,7 +404,7 @@ def probe(proxy_url: str, attempts: int = 3, pause_s: float = 2.0) -> tuple[bool
             if r.status_code != 200 or not _has_output(r.json()):
                 last = f"chat: {r.status_code} {r.text[:200]}"
                 continue
-            body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 4, "stream": True}
+            body = {"model": model, "prompt": "Once upon a time", "max_tokens": 4, "stream": True}
             with httpx.stream("POST", f"{proxy_url}/v1/completions", json=body, timeout=60) as s:
                 lines = [line for line in s.iter_lines() if line.startswith("data: ")]
             if (
@@ -584,9 +587,16 @@ class FaultCluster:
     """
 
     def __init__(
-        self, cluster, token: str, deadline_s: float, lease_s: float, settle_s: float = 30.0
+        self,
+        cluster,
+        token: str,
+        deadline_s: float,
+        lease_s: float,
+        settle_s: float = 30.0,
+        model: str = MODEL,
     ) -> None:
         self.cluster = cluster
+        self.model = model  # what the probe asks for
         self.token = token
         self.deadline_s = deadline_s
         self.lease_s = lease_s
@@ -681,7 +691,7 @@ class FaultCluster:
         if after is not None:
             after()
         probed = time.monotonic()
-        result.served_after, why = probe(self.proxy_url)
+        result.served_after, why = probe(self.proxy_url, model=self.model)
         result.probe_s = time.monotonic() - probed
         if not result.served_after:
             result.notes += f" probe failed: {why}"

@@ -42,6 +42,8 @@ from pdserve.engine.outputs import (
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampler import PendingSample, Sampler, SamplingRow, make_generator
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
+from pdserve.engine.sim import Simulation, load_calibration, simulated_config
+from pdserve.engine.sim.runner import SimModelRunner, SimPendingSample, SimSampler
 from pdserve.hashing import BlockEvent
 from pdserve.kernels.triton_utils import count_jit_compiles, num_jit_compiles
 from pdserve.logprobs import TokenLogprobs
@@ -67,7 +69,7 @@ class _LaunchedStep:
     """A step queued on the device whose sampled tokens the scheduler has not seen yet."""
 
     out: SchedulerOutput
-    sample: PendingSample
+    sample: PendingSample | SimPendingSample
     rows: dict[str, int]  # request id -> its row of sample.token_ids
     needs_host_tokens: bool  # a row has penalties: the next sampling counts this step's tokens
 
@@ -78,6 +80,8 @@ class LLMEngine:
         start = time.monotonic()
         self.source = resolve_model(config.model)
         self.arch = ArchConfig.from_hf_config(self.source.hf_config, config.model.max_model_len)
+        if self.source.simulated_gpu:
+            config = simulated_config(config, self.arch)
         config = config.resolved(self.arch.dtype, self.arch.max_position_embeddings)
         self.config = config
         self.max_model_len = config.model.max_model_len
@@ -91,18 +95,31 @@ class LLMEngine:
             torch.set_num_threads(config.device.num_threads)
         count_jit_compiles()  # before the first kernel: pdserve_jit_compiles_total counts them all
 
-        self.model = load_model(
-            self.source,
-            self.arch,
-            self.max_model_len,
-            config.torch_device,
-            config.torch_dtype,
-            config.model.seed,
-        )
         self.tokenizer = load_tokenizer(self.source.tokenizer_dir) if self.source.tokenizer_dir else None
         self.eos_token_ids = self._eos_token_ids()
-
-        self.runner = ModelRunner(config, self.arch, self.model)
+        self.simulation: Simulation | None = None
+        """What a simulated engine models (``--model sim:...``); None for a real model."""
+        # The one place a simulated engine differs: its runner and sampler model the forward's time
+        # instead of running it (pdserve.engine.sim); everything else below is the same engine.
+        if self.source.simulated_gpu:
+            calibration = load_calibration(self.source.simulated_gpu, config.model.sim_calibration)
+            self.runner = SimModelRunner(config, self.arch, calibration)
+            self.sampler = SimSampler()
+            self.model = None
+            self.simulation = Simulation(calibration.gpu, calibration, self.runner.bytes_per_block)
+        else:
+            if config.model.sim_calibration:
+                raise ValueError("--sim-calibration applies to simulated models (--model sim:...) only")
+            self.model = load_model(
+                self.source,
+                self.arch,
+                self.max_model_len,
+                config.torch_device,
+                config.torch_dtype,
+                config.model.seed,
+            )
+            self.runner = ModelRunner(config, self.arch, self.model)
+            self.sampler = Sampler(self.eos_token_ids, seed=config.model.seed, device=config.torch_device)
         num_blocks = self.runner.determine_num_blocks()
         if num_blocks * config.cache.block_size < self.max_model_len:
             raise ValueError(
@@ -121,7 +138,6 @@ class LLMEngine:
         )
         """The engine's insides, with ``runner``: nothing outside ``pdserve.engine`` (and the engine's
         own tests) reads them; node services use the methods below."""
-        self.sampler = Sampler(self.eos_token_ids, seed=config.model.seed, device=config.torch_device)
         self.async_scheduling = bool(config.scheduler.async_scheduling)
         """Apply each step after launching the next (see the module docstring). Benchmarks flip it
         to compare; either way a step in flight is applied in order."""
@@ -136,7 +152,7 @@ class LLMEngine:
             time.monotonic() - start,
             self.source.model_id,
             config.model.dtype,
-            config.torch_device,
+            f"a simulated {self.simulation.gpu}" if self.simulation else config.torch_device,
             num_blocks,
             config.cache.block_size,
             num_blocks * self.runner.bytes_per_block / (1 << 30),
@@ -402,7 +418,7 @@ class LLMEngine:
     def wait_for_device(self) -> None:
         """Block until the step in flight, if any, has run on the device (it stays unapplied)."""
         if self._in_flight is not None:
-            self._in_flight.sample.copy.synchronize()
+            self._in_flight.sample.synchronize()
 
     # -- one step ------------------------------------------------------------------------------
 

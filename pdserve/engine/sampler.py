@@ -323,6 +323,10 @@ class PendingSample:
     def num_rows(self) -> int:
         return self.token_ids.shape[0]
 
+    def synchronize(self) -> None:
+        """Wait until the step's sampling has run on the device (``get`` reads it then)."""
+        self.copy.synchronize()
+
     def get(self) -> SamplerOutput:
         """The step's tokens and logprobs as Python values (waits for the copy)."""
         host = self.copy.wait().tolist()

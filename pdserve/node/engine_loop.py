@@ -131,7 +131,8 @@ class EngineLoop:
         self.loop.call_soon_threadsafe(self._deliver_many, [output])
 
     def publish_many(self, outputs: list[RequestOutput]) -> None:
-        """Hand a step's outputs to the event loop at once (one wake-up, not one per request)."""
+        """A step's outputs in one hand-over to the event loop: each ``call_soon_threadsafe`` wakes
+        the loop through its self-pipe (a syscall), a cost per step rather than per request."""
         if outputs:
             self.loop.call_soon_threadsafe(self._deliver_many, outputs)
 

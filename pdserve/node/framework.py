@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import logging
 import signal
@@ -68,6 +69,21 @@ def node_info(engine: LLMEngine, node: NodeConfig, role: Role, transport: str, k
         vocab_size=arch.vocab_size,
         kv_transports=list(kv_transfer.transport_preferences(node.kv_transport)),
     )
+
+
+def kv_transport_for(engine: LLMEngine, node: NodeConfig) -> NodeConfig:
+    """The node config with its KV transport settled: a simulated engine moves its (tiny) KV over
+    the sim transport and nothing else; a real one never does."""
+    if engine.simulation is not None:
+        if node.kv_transport not in ("auto", "sim"):
+            raise ValueError(
+                f"a simulated node ({engine.source.model_id}) moves KV over the sim transport only, "
+                f"not {node.kv_transport!r}: leave --kv-transport at auto"
+            )
+        return dataclasses.replace(node, kv_transport="sim")
+    if "sim" in kv_transfer.transport_preferences(node.kv_transport):
+        raise ValueError("the sim KV transport is for simulated nodes (--model sim:<shape>@<gpu>) only")
+    return node
 
 
 def node_load(load: EngineLoad) -> NodeLoad:
@@ -161,6 +177,10 @@ class NodeMetrics:
             "pdserve_prefill_seconds",
             "From a prompt's arrival on a prefill node to its first token, queueing included.",
             buckets=LATENCY_BUCKETS,
+        )
+        self.simulated = r.gauge(
+            "pdserve_simulated",
+            "1 when this node's engine is simulated (--model sim:...): step times modelled, not measured.",
         )
         self._last: dict[str, float] = {}
 
@@ -261,10 +281,21 @@ class NodeState:
     def transfer_bytes(self) -> int:
         return sum(s.transfer_bytes for s in self.services)
 
+    @property
+    def kv_options(self) -> list[object]:
+        """Options for the node's KV transports (``kv_transfer.create_sender``/``create_receiver``):
+        a simulated engine's link; the transports' defaults otherwise."""
+        sim = self.engine.simulation if self.engine is not None else None
+        if sim is None:
+            return []
+        return [kv_transfer.SimOptions(sim.link.latency_s, sim.link.gbps, sim.kv_bytes_per_block)]
+
     async def start(self) -> None:
         node = self.node
         publish = bool(node.redis_url)
         engine = self.engine = await asyncio.to_thread(LLMEngine, self.engine_config, publish)
+        node = self.node = kv_transport_for(engine, node)
+        self.metrics.simulated.set(1 if engine.simulation is not None else 0)
         self.loop = EngineLoop(
             engine, asyncio.get_running_loop(), after_step=self._after_step, on_idle=self._on_idle
         )
