@@ -107,6 +107,9 @@ class SimModelRunner:
             )
         return num_blocks
 
+    def warm_up(self) -> None:
+        """Nothing to compile: the simulated device runs no kernels."""
+
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.kv_cache = torch.zeros(
             self.arch.num_layers, num_blocks, 2, 1, 1, 1, dtype=self.config.torch_dtype
