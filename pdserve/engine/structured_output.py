@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from pdserve.engine.copies import to_device
 from pdserve.sampling_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -208,15 +209,23 @@ class StructuredOutputManager:
         return bitmask, rows
 
     def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-        """Set the logits of disallowed tokens in ``rows`` to -inf, in place. logits [N, V] float32."""
-        apply_token_bitmask(logits, bitmask.to(logits.device, non_blocking=True), rows)
+        """Set the logits of disallowed tokens in ``rows`` to -inf, in place. logits [N, V] float32.
+
+        On CUDA the bitmask and the row list go up from pinned memory without a sync (xgrammar
+        would copy a Python list from pageable memory, which waits for the forward)."""
+        device = logits.device
+        if device.type == "cpu":
+            apply_token_bitmask(logits, bitmask, rows)
+        else:
+            index = to_device(rows, torch.int32, device)
+            apply_token_bitmask(logits, bitmask.to(device, non_blocking=True), index)
 
     def close(self) -> None:
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
 
 
-def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] | torch.Tensor) -> None:
     """logits[i, t] = -inf for every row i in ``rows`` and token t whose bit is 0 in bitmask[i].
 
     Bit t % 32 of bitmask[i, t // 32] allows token t; tokens past the bitmask's width (a padded
