@@ -218,7 +218,8 @@ def tool_plan(request: ChatCompletionRequest, parser: str) -> ToolPlan | None:
         schema = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": items}}
         return ToolPlan("required", tools, parser, constraint=StructuredOutputsParams(json=schema))
     if isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+        function = choice.get("function") if choice.get("type") == "function" else None
+        name = function.get("name") if isinstance(function, dict) else None
         match = [f for f in functions if f["name"] == name]
         if not match:
             raise bad_request(f"tool_choice names no tool in tools: {name!r}", "tool_choice")

@@ -93,6 +93,7 @@ def test_choices_and_their_constraints():
         (dict(tool_choice="required"), "tool_choice needs tools"),
         (dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "x"}}), "names no tool"),
         (dict(tools=[WEATHER], tool_choice="sometimes"), "tool_choice must be"),
+        (dict(tools=[WEATHER], tool_choice={"type": "function", "function": "get_weather"}), "names no tool"),
         (dict(tools=[{"type": "retrieval"}]), "each tool must be"),
         (dict(tools=[{"type": "function", "function": {"description": "no name"}}]), "function.name"),
     ]:

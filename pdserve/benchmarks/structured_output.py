@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import tempfile
@@ -140,11 +141,13 @@ def main() -> None:
         import xgrammar  # noqa: F401 - its version is reported
 
         device = (
-            torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"cpu ({platform.processor()})"
+            torch.cuda.get_device_name(0)
+            if torch.cuda.is_available()
+            else f"cpu ({platform.machine()}, {os.cpu_count()} cores)"
         )
         result = {
             "benchmark": "structured_output",
-            "command": " ".join(sys.argv),
+            "command": "python -m pdserve.benchmarks.structured_output " + " ".join(sys.argv[1:]),
             "date": time.strftime("%Y-%m-%d"),
             "device": device,
             "versions": {"torch": torch.__version__, "xgrammar": version("xgrammar")},
