@@ -26,11 +26,19 @@ __version__ = "0.1.0"
 _LAZY = {
     "LLM": "pdserve.engine.llm",
     "SamplingParams": "pdserve.sampling_params",
+    "StructuredOutputsParams": "pdserve.sampling_params",
     "RequestOutput": "pdserve.engine.outputs",
     "CompletionOutput": "pdserve.engine.outputs",
 }
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "StructuredOutputsParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "__version__",
+]
 
 _checkout = Path(__file__).resolve().parent.parent
 if (_checkout / "kv_transfer" / "__init__.py").is_file() and (_checkout / "pyproject.toml").is_file():

@@ -2,9 +2,54 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 _SAMPLING_EPS = 1e-5
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A constraint on the output, shaped like vLLM's ``StructuredOutputsParams``: exactly one of
+    ``json`` (a JSON schema), ``json_object`` (any JSON object), ``regex``, ``choice`` (one of these
+    strings) or ``grammar`` (EBNF, as xgrammar reads it).
+
+    Torch-free and checked for shape only: whether a schema, regex or grammar compiles is for the
+    engine to say (``ValueError`` from ``LLMEngine.add_request``, a 400 through the API). ``json``
+    may be given as a dict; it is kept as JSON text (properties in the order given: the output
+    follows it), the key of the engine's grammar cache. ``disable_any_whitespace`` makes JSON
+    output compact.
+    """
+
+    json: str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        if self.json is not None and not isinstance(self.json, str):
+            object.__setattr__(self, "json", json.dumps(self.json, separators=(",", ":")))
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
+        kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        kinds += ["json_object"] if self.json_object else []
+        if len(kinds) != 1:
+            raise ValueError(
+                "structured_outputs takes exactly one of json, json_object, regex, choice and grammar, "
+                f"got {len(kinds)}" + (f" ({', '.join(kinds)})" if kinds else "")
+            )
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) for c in self.choice)):
+            raise ValueError("structured_outputs.choice must be a non-empty list of strings")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: ``json``, ``json_object``, ``regex``, ``choice`` or ``grammar``."""
+        for k in ("json", "regex", "choice", "grammar"):
+            if getattr(self, k) is not None:
+                return k
+        return "json_object"
 
 
 @dataclass(frozen=True)
@@ -36,6 +81,8 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
+    """Constrain the output to a JSON schema, regex, choice or grammar (a token bitmask each step)."""
 
     def __post_init__(self) -> None:
         # Accept a single string / any iterable for the tuple fields, as vLLM does.

@@ -14,12 +14,20 @@ def load_tokenizer(folder: Path):
 
 
 def apply_chat_template(
-    tokenizer, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True
+    tokenizer,
+    messages: Sequence[dict[str, Any]],
+    add_generation_prompt: bool = True,
+    tools: Sequence[dict[str, Any]] | None = None,
 ) -> str:
+    """The chat as the model's template writes it; ``tools`` (OpenAI tool objects) go to the template,
+    which renders them if it knows how."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template")
     return tokenizer.apply_chat_template(
-        list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
+        list(messages),
+        tools=list(tools) if tools else None,
+        tokenize=False,
+        add_generation_prompt=add_generation_prompt,
     )
 
 

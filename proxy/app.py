@@ -58,9 +58,11 @@ from pdserve.proxy.protocol import (
     error_body,
     sampling_params,
     single_prompt,
+    structured_outputs,
 )
 from pdserve.proxy.responses import SSE_DONE, ChatBuilder, CompletionBuilder, TokenStrings, sse
 from pdserve.proxy.router import POLICIES, ClusterError, Router
+from pdserve.proxy.tools import HERMES, ToolPlan, parser_for_template, tool_plan
 from pdserve.proxy.workers import SharedMetrics
 from pdserve.tokenizer import apply_chat_template, load_tokenizer
 
@@ -373,6 +375,7 @@ class Proxy:
         self.metrics.admitted.set_function(lambda: self.num_inflight)
         self.tokenizer = None
         self.token_strings = TokenStrings(None)
+        self.tool_parser = HERMES  # the tool-call format of the model's chat template
         self.model_id = ""
         self.served_names: tuple[str, ...] = ()
         self.router: Router | None = None
@@ -393,6 +396,7 @@ class Proxy:
         if source.tokenizer_dir is not None:
             self.tokenizer = await asyncio.to_thread(load_tokenizer, source.tokenizer_dir)
         self.token_strings = TokenStrings(self.tokenizer)
+        self.tool_parser = parser_for_template(getattr(self.tokenizer, "chat_template", None))
         self.model_id = source.model_id
         self.served_names = tuple(dict.fromkeys(n for n in (cfg.served_model_name, source.model_id) if n))
         self.router = Router(
@@ -445,7 +449,9 @@ class Proxy:
 
     # -- request handling --------------------------------------------------------------------
 
-    def _prompt(self, body: CompletionRequest | ChatCompletionRequest) -> tuple[list[int], str]:
+    def _prompt(
+        self, body: CompletionRequest | ChatCompletionRequest, tools: ToolPlan | None = None
+    ) -> tuple[list[int], str]:
         """Token ids of the prompt, and the text echo=true puts in front of the output."""
         tok = self.tokenizer
         if isinstance(body, ChatCompletionRequest):
@@ -453,7 +459,9 @@ class Proxy:
             if tok is None:
                 raise bad_request(f"model {self.model_id} has no tokenizer, so no chat template", "messages")
             try:
-                text = apply_chat_template(tok, messages, body.add_generation_prompt)
+                text = apply_chat_template(
+                    tok, messages, body.add_generation_prompt, tools.tools if tools is not None else None
+                )
             except Exception as exc:  # jinja errors: roles that do not alternate, and the like
                 raise bad_request(f"the chat template failed: {exc}", "messages") from None
             return tok.encode(text, add_special_tokens=False), ""
@@ -477,12 +485,22 @@ class Proxy:
         chat = isinstance(body, ChatCompletionRequest)
         try:
             model = check_model(body.model, self.served_names)
+            tools = tool_plan(body, self.tool_parser) if chat else None
+            constraint = structured_outputs(body)
+            if tools is not None and tools.constraint is not None:
+                if constraint is not None:
+                    raise bad_request(
+                        f"tool_choice {tools.mode!r} constrains the output itself: drop response_format "
+                        "and structured_outputs",
+                        "tool_choice",
+                    )
+                constraint = tools.constraint
             if _num_text_chars(body) > THREAD_TOKENIZE_CHARS:
-                prompt_ids, echo_text = await asyncio.to_thread(self._prompt, body)
+                prompt_ids, echo_text = await asyncio.to_thread(self._prompt, body, tools)
             else:
-                prompt_ids, echo_text = self._prompt(body)
+                prompt_ids, echo_text = self._prompt(body, tools)
             params = sampling_params(
-                body, len(prompt_ids), self.router.max_model_len, self.config.default_max_tokens
+                body, len(prompt_ids), self.router.max_model_len, self.config.default_max_tokens, constraint
             )
             check_token_ids(params.stop_token_ids, self.router.vocab_size, "stop_token_ids")
         except ProxyError as exc:
@@ -496,6 +514,8 @@ class Proxy:
             token_strings=self.token_strings,
         )
         if chat:
+            if tools is not None and tools.mode != "none":
+                kwargs["tools"] = tools
             builder = ChatBuilder(
                 f"chatcmpl-{request_id}", model, int(time.time()), len(prompt_ids), **kwargs
             )

@@ -3,9 +3,12 @@ response models and error bodies.
 
 Field names and defaults follow OpenAI and vLLM (whose extensions ``top_k``, ``min_p``,
 ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``, ``min_tokens``,
-``include_stop_str_in_output``, ``skip_special_tokens`` and ``stop_reason`` are kept).
-Unknown request fields are ignored, as OpenAI does. Anything we cannot honour (n > 1,
-logit_bias, tools, functions, images, batched prompts) is a 400, never silently dropped. So is
+``include_stop_str_in_output``, ``skip_special_tokens``, ``stop_reason`` and
+``structured_outputs`` are kept). Structured output (``response_format`` or ``structured_outputs``)
+is checked here for shape only; whether a schema, regex or grammar compiles is the node's call
+(xgrammar imports torch, which the proxy never does), relayed as a 400. Tool calling lives in
+``proxy/tools.py``. Unknown request fields are ignored, as OpenAI does. Anything we cannot
+honour (n > 1, logit_bias, functions, images, batched prompts) is a 400, never silently dropped. So is
 what would fail further on: NaN or infinite numbers, integers a node message cannot carry (64
 bits), text that is not valid Unicode (lone surrogates such as ``"\\ud800"``, which JSON can
 spell but UTF-8 cannot), roles that OpenAI does not define.
@@ -13,13 +16,14 @@ spell but UTF-8 cannot), roles that OpenAI does not define.
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 from pydantic_core import PydanticCustomError
 
-from pdserve.sampling_params import SamplingParams
+from pdserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 # -- errors --------------------------------------------------------------------------------
 
@@ -162,6 +166,8 @@ class _SamplingRequest(_Request):
     skip_special_tokens: bool = True
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM extension: json, regex, choice, grammar
 
     @model_validator(mode="before")
     @classmethod
@@ -209,7 +215,6 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None  # the deprecated form of tools
-    response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True  # vLLM extension
 
 
@@ -245,16 +250,10 @@ def check_token_ids(token_ids: list[int], vocab_size: int, param: str = "prompt"
 
 
 def chat_messages(request: ChatCompletionRequest) -> list[dict[str, Any]]:
-    """Messages as the chat template takes them: content parts joined into one string."""
-    if request.tools and request.tool_choice != "none":
-        raise bad_request("tool calling is not supported", "tools")
+    """Messages as the chat template takes them: content parts joined into one string, tool calls'
+    ``arguments`` as objects (HF chat templates render them with ``tojson``)."""
     if request.functions:
-        raise bad_request("function calling is not supported", "functions")
-    if request.response_format and request.response_format.get("type", "text") != "text":
-        raise bad_request(
-            f"response_format {request.response_format.get('type')!r} is not supported (only 'text')",
-            "response_format",
-        )
+        raise bad_request("functions is not supported: use tools", "functions")
     messages = []
     for i, message in enumerate(request.messages):
         out = message.model_dump(exclude_none=True)
@@ -271,8 +270,79 @@ def chat_messages(request: ChatCompletionRequest) -> list[dict[str, Any]]:
             out["content"] = "\n".join(texts)
         elif content is None:
             out["content"] = ""
+        if out.get("tool_calls") is not None:
+            out["tool_calls"] = _template_tool_calls(out["tool_calls"], f"messages[{i}].tool_calls")
         messages.append(out)
     return messages
+
+
+def _template_tool_calls(calls: Any, param: str) -> list[dict[str, Any]]:
+    """An assistant message's OpenAI ``tool_calls`` with each ``arguments`` string parsed (as vLLM does)."""
+    if not isinstance(calls, list):
+        raise bad_request("tool_calls must be a list", param)
+    out = []
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise bad_request("each tool call needs a function with a name", f"{param}[{j}]")
+        arguments = function.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except ValueError:
+                raise bad_request("arguments is not valid JSON", f"{param}[{j}].function.arguments") from None
+        out.append({**call, "function": {**function, "arguments": arguments}})
+    return out
+
+
+_STRUCTURED_KEYS = {"json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace"}
+_IGNORED_KEYS = {"disable_fallback"}  # one backend: nothing to fall back to
+
+
+def structured_outputs(request: CompletionRequest | ChatCompletionRequest) -> StructuredOutputsParams | None:
+    """The request's output constraint from ``response_format`` (OpenAI) or ``structured_outputs``
+    (vLLM), checked for shape; None when it has none."""
+    spec = None
+    fmt = request.response_format
+    kind = "text" if fmt is None else fmt.get("type", "text")
+    if kind == "json_object":
+        spec = StructuredOutputsParams(json_object=True)
+    elif kind == "json_schema":
+        body = fmt.get("json_schema")
+        schema = body.get("schema") if isinstance(body, dict) else None
+        if not isinstance(schema, dict):
+            raise bad_request(
+                "response_format json_schema needs json_schema.schema, a JSON schema object",
+                "response_format",
+            )
+        spec = StructuredOutputsParams(json=schema)
+    elif kind != "text":
+        raise bad_request(
+            f"response_format type {kind!r} is not supported: use text, json_object or json_schema",
+            "response_format",
+        )
+    so = request.structured_outputs
+    if so is not None:
+        if spec is not None:
+            raise bad_request("send response_format or structured_outputs, not both", "structured_outputs")
+        unknown = set(so) - _STRUCTURED_KEYS - _IGNORED_KEYS
+        if unknown:
+            raise bad_request(
+                f"structured_outputs.{sorted(unknown)[0]} is not supported "
+                f"(supported: {', '.join(sorted(_STRUCTURED_KEYS))})",
+                "structured_outputs",
+            )
+        fields = {k: v for k, v in so.items() if k in _STRUCTURED_KEYS and v is not None}
+        types = {"json": (dict, str), "regex": str, "grammar": str, "choice": list}
+        types |= {"json_object": bool, "disable_any_whitespace": bool}
+        for key, value in fields.items():
+            if not isinstance(value, types[key]) or (key == "json" and isinstance(value, bool)):
+                raise bad_request(f"structured_outputs.{key} has the wrong type", f"structured_outputs.{key}")
+        try:
+            spec = StructuredOutputsParams(**fields)
+        except ValueError as exc:
+            raise bad_request(str(exc), "structured_outputs") from None
+    return spec
 
 
 _PARAM_RE = re.compile(r"^([a-z_]+) ")
@@ -283,8 +353,11 @@ def sampling_params(
     num_prompt_tokens: int,
     max_model_len: int,
     default_max_tokens: int,
+    constraint: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
-    """Validate a request's sampling fields against the context and build its SamplingParams.
+    """Validate a request's sampling fields against the context and build its SamplingParams;
+    ``constraint`` is the output's structured-output constraint (``structured_outputs`` or a tool
+    choice's), if any.
 
     ``max_tokens`` absent (chat) or null fills the rest of the context, capped at
     ``default_max_tokens``; an explicit value that does not fit is a 400, as in vLLM.
@@ -359,6 +432,7 @@ def sampling_params(
             logprobs=logprobs,
             include_stop_str_in_output=request.include_stop_str_in_output,
             skip_special_tokens=request.skip_special_tokens,
+            structured_outputs=constraint,
         )
     except ValueError as exc:
         message = str(exc)
@@ -448,10 +522,42 @@ class ChatChoiceLogprobs(_Response):
     content: list[ChatLogprob] | None = None
 
 
+class FunctionCall(_Response):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(_Response):
+    _omit_if_none = ("name", "arguments")
+
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_Response):
+    """A piece of a streamed tool call: the first carries id, type and name; the rest add arguments."""
+
+    _omit_if_none = ("id", "type", "function")
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class AssistantMessage(_Response):
+    _omit_if_none = ("tool_calls",)
+
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     refusal: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(_Response):
@@ -473,10 +579,11 @@ class ChatCompletionResponse(_Response):
 
 
 class Delta(_Response):
-    _omit_if_none = ("role", "content")
+    _omit_if_none = ("role", "content", "tool_calls")
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(_Response):

@@ -5,7 +5,8 @@ streaming mode ``add`` returns the SSE bytes for each event; ``finish`` returns 
 chunks (the usage chunk with ``choices: []`` when asked for, then ``[DONE]``); otherwise
 ``response`` builds the whole body at the end. Chat streams open with a chunk whose delta
 is ``{"role": "assistant", "content": ""}``; the chunk of the last token carries
-``finish_reason``, as in OpenAI and vLLM.
+``finish_reason``, as in OpenAI and vLLM. A chat request with tools turns its output into
+``tool_calls`` (``proxy/tools.py``), streamed as ``delta.tool_calls``.
 """
 
 from __future__ import annotations
@@ -29,10 +30,14 @@ from pdserve.proxy.protocol import (
     CompletionLogprobs,
     CompletionResponse,
     Delta,
+    DeltaToolCall,
+    FunctionCall,
+    ToolCall,
     TopLogprob,
     Usage,
     make_usage,
 )
+from pdserve.proxy.tools import ToolCallStream, ToolPlan, new_call_id
 
 SSE_DONE = b"data: [DONE]\n\n"
 _MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps the same way
@@ -254,10 +259,12 @@ class CompletionBuilder(_Builder):
 
 
 class ChatBuilder(_Builder):
-    """``/v1/chat/completions``."""
+    """``/v1/chat/completions``; ``tools`` is the request's tool plan (calls are parsed out of the text)."""
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args, tools: ToolPlan | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        self.tools = tools
+        self.tool_stream = ToolCallStream(tools) if tools is not None and self.stream else None
         self.logprob_entries: list[ChatLogprob] | None = None if self.num_logprobs is None else []
         # Chunks without logprobs are spliced from bytes, as in CompletionBuilder.
         self._head = (
@@ -302,6 +309,8 @@ class ChatBuilder(_Builder):
         logprobs = None
         if self.num_logprobs is not None:
             logprobs = ChatChoiceLogprobs(content=self._logprobs(event.logprobs))
+        if self.tool_stream is not None:
+            return self._tool_chunk(event, logprobs)
         if not event.text and not event.token_ids and event.finish_reason is None:
             return None  # nothing new (as vLLM: a token that completes no character still streams)
         if logprobs is None:
@@ -312,6 +321,23 @@ class ChatBuilder(_Builder):
             logprobs=logprobs,
             finish_reason=event.finish_reason,
             stop_reason=event.stop_reason,
+        )
+        return self._chunk([choice])
+
+    def _tool_chunk(self, event: TokenEvent, logprobs: ChatChoiceLogprobs | None) -> bytes | None:
+        final = event.finish_reason is not None
+        content, calls = self.tool_stream.feed(event.text, final)
+        finish_reason = event.finish_reason
+        if final and self.tool_stream.calls_sent and finish_reason == "stop":
+            finish_reason = "tool_calls"
+        if not content and not calls and not final and not (logprobs and logprobs.content):
+            return None
+        delta = Delta(
+            content=content or None,
+            tool_calls=[DeltaToolCall.model_validate(c) for c in calls] or None,
+        )
+        choice = ChatChunkChoice(
+            delta=delta, logprobs=logprobs, finish_reason=finish_reason, stop_reason=event.stop_reason
         )
         return self._chunk([choice])
 
@@ -326,10 +352,19 @@ class ChatBuilder(_Builder):
         logprobs = None
         if self.logprob_entries is not None:
             logprobs = ChatChoiceLogprobs(content=self.logprob_entries)
+        message = AssistantMessage(content=self.text)
+        finish_reason = self.finish_reason
+        if self.tools is not None:
+            content, calls = self.tools.parse(self.text)
+            if calls:
+                tool_calls = [ToolCall(id=new_call_id(), function=FunctionCall(**vars(c))) for c in calls]
+                message = AssistantMessage(content=content, tool_calls=tool_calls)
+                if finish_reason == "stop":
+                    finish_reason = "tool_calls"
         choice = ChatChoice(
-            message=AssistantMessage(content=self.text),
+            message=message,
             logprobs=logprobs,
-            finish_reason=self.finish_reason,
+            finish_reason=finish_reason,
             stop_reason=self.stop_reason,
         )
         return ChatCompletionResponse(

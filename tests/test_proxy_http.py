@@ -184,7 +184,8 @@ BAD = [
     ("n 0", CH, chat(n=0), 400, "n", ""),
     ("best_of 2", C, comp(best_of=2), 400, "best_of", "best_of"),
     ("logit_bias", CH, chat(logit_bias={"42": 5}), 400, "logit_bias", "logit_bias"),
-    ("tools", CH, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools", "tool"),
+    ("tool_choice without tools", CH, chat(tool_choice="required"), 400, "tool_choice", "needs tools"),
+    ("tool not a function", CH, chat(tools=[{"type": "retrieval"}]), 400, "tools[0]", "function"),
     ("functions", CH, chat(functions=[{"name": "f"}]), 400, "functions", "function"),
     (
         "image part",
@@ -194,7 +195,18 @@ BAD = [
         "messages[0].content",
         "image_url",
     ),
-    ("response_format json", CH, chat(response_format={"type": "json_object"}), 400, "response_format", ""),
+    ("response_format yaml", CH, chat(response_format={"type": "yaml"}), 400, "response_format", "yaml"),
+    (
+        "schema that does not compile",  # judged by the node (xgrammar), relayed
+        CH,
+        chat(
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}
+        ),
+        400,
+        None,
+        "invalid structured output json",
+    ),
+    ("bad regex", C, comp(structured_outputs={"regex": "(("}), 400, None, "invalid structured output regex"),
     ("suffix", C, comp(suffix="end"), 400, "suffix", "suffix"),
     ("echo with logprobs", C, comp(echo=True, logprobs=1), 400, "echo", ""),
     ("prompt too long", C, comp(prompt="hello " * 1000), 400, "prompt", "maximum context length is 512"),

@@ -197,8 +197,7 @@ def test_chat_messages_flatten_text_parts_and_refuse_the_rest():
     ]
     image = [{"type": "image_url", "image_url": {"url": "http://x"}}]
     raises(400, "messages[0].content", chat_messages, chat(messages=[{"role": "user", "content": image}]))
-    raises(400, "tools", chat_messages, chat(tools=[{"type": "function", "function": {"name": "f"}}]))
-    raises(400, "response_format", chat_messages, chat(response_format={"type": "json_object"}))
+    raises(400, "functions", chat_messages, chat(functions=[{"name": "f"}]))
 
 
 def test_error_body_and_retry_after():

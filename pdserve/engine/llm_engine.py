@@ -44,6 +44,7 @@ from pdserve.engine.sampler import PendingSample, Sampler, SamplingRow, make_gen
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
 from pdserve.engine.sim import Simulation, load_calibration, simulated_config
 from pdserve.engine.sim.runner import SimModelRunner, SimPendingSample, SimSampler
+from pdserve.engine.structured_output import StructuredOutputManager
 from pdserve.hashing import BlockEvent
 from pdserve.kernels.triton_utils import count_jit_compiles, num_jit_compiles
 from pdserve.logprobs import TokenLogprobs
@@ -62,6 +63,20 @@ class _RequestState:
     request: Request
     generator: torch.Generator | None
     detokenizer: IncrementalDetokenizer | None
+
+
+@dataclass(frozen=True)
+class _Forward:
+    """A step whose forward is launched and whose sampling is not: its logits [N, V] on the device."""
+
+    out: SchedulerOutput
+    logits: torch.Tensor
+    sampling: list[Request]  # the requests of the logits' rows, in order
+
+    @property
+    def waits_for_previous(self) -> bool:
+        """A row's grammar needs the token of the step in flight before its mask can be filled."""
+        return any(r.structured_output is not None and r.num_output_placeholders > 1 for r in self.sampling)
 
 
 @dataclass(frozen=True)
@@ -138,6 +153,9 @@ class LLMEngine:
         )
         """The engine's insides, with ``runner``: nothing outside ``pdserve.engine`` (and the engine's
         own tests) reads them; node services use the methods below."""
+        self.structured = StructuredOutputManager(
+            self.tokenizer, self.arch.vocab_size, self.eos_token_ids, config.torch_device
+        )
         self.async_scheduling = bool(config.scheduler.async_scheduling)
         """Apply each step after launching the next (see the module docstring). Benchmarks flip it
         to compare; either way a step in flight is applied in order."""
@@ -211,12 +229,16 @@ class LLMEngine:
         bad = [t for t in prompt_token_ids if not 0 <= t < self.arch.vocab_size]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.arch.vocab_size})")
+        if params.structured_outputs is not None:
+            self.structured.validate(params.structured_outputs)
         return Request(
             request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids, prompt=prompt
         )
 
     def _track(self, request: Request) -> None:
         params = request.sampling_params
+        if params.structured_outputs is not None:
+            request.structured_output = self.structured.request(params.structured_outputs)
         generator = None
         if params.seed is not None:
             generator = make_generator(params.seed, self.config.torch_device)
@@ -262,7 +284,7 @@ class LLMEngine:
             state.generator.set_state(torch.frombuffer(bytearray(generator_state), dtype=torch.uint8))
         request = self.scheduler.remote_kv_landed(request_id, first_token, logprobs, num_cached_tokens)
         if request is None:
-            self._states.pop(request_id, None)
+            self._forget(request_id)
             return None
         return self._process(request)
 
@@ -285,7 +307,7 @@ class LLMEngine:
         A pinned request's blocks are freed only when it is unpinned (``unpin_held``).
         """
         self.scheduler.release_held(request_id)
-        self._states.pop(request_id, None)
+        self._forget(request_id)
 
     def pin_held(self, request_id: str) -> None:
         """Keep a held request's blocks until ``unpin_held``, through ``release_held`` and
@@ -325,7 +347,13 @@ class LLMEngine:
         self.scheduler.finish_requests(request_ids, status)
         for request_id in request_ids:
             self.release_held(request_id)
-            self._states.pop(request_id, None)
+            self._forget(request_id)
+
+    def _forget(self, request_id: str) -> None:
+        """Drop a request's engine-side state (its generator, detokenizer and grammar matcher)."""
+        state = self._states.pop(request_id, None)
+        if state is not None and state.request.structured_output is not None:
+            state.request.structured_output.close()
 
     # -- what the node asks of the engine ------------------------------------------------------
 
@@ -435,7 +463,15 @@ class LLMEngine:
         out = self.scheduler.schedule()
         previous = self._take_in_flight()
         if not out.is_empty:
-            self._in_flight = self._launch(out, previous)
+            forward = self._forward(out, previous)
+            if previous is not None and forward.waits_for_previous:
+                # A grammar's mask needs the token still in flight: apply that step now, while this
+                # step's forward runs, and sample after (vLLM defers such a step's sampling alike).
+                outputs += self._apply(previous)
+                previous = None
+            self._in_flight = self._sample(forward)
+        elif previous is None:
+            self._wait_for_grammars()
         if previous is not None:
             outputs += self._apply(previous)
         if not self.async_scheduling and self._in_flight is not None:
@@ -448,8 +484,16 @@ class LLMEngine:
         step, self._in_flight = self._in_flight, None
         return step
 
-    def _launch(self, out: SchedulerOutput, previous: _LaunchedStep | None) -> _LaunchedStep:
-        """Queue the step's forward and sampling; reads nothing back from the device."""
+    def _wait_for_grammars(self, timeout: float = 0.005) -> None:
+        """Nothing could be scheduled: if a queued request waits for its grammar, give the compile
+        thread a moment instead of spinning (``has_work`` stays true while such a request waits)."""
+        for request in self.scheduler.waiting:
+            if not request.ready_to_schedule:
+                request.structured_output.wait(timeout)
+                return
+
+    def _forward(self, out: SchedulerOutput, previous: _LaunchedStep | None) -> _Forward:
+        """Queue the step's forward; reads nothing back from the device."""
         device_inputs = None
         sources = [previous.rows[s.request.request_id] for s in out.scheduled if s.num_device_inputs]
         if sources:
@@ -474,25 +518,37 @@ class LLMEngine:
         for s in out.scheduled:
             prompt_end = min(s.start + s.num_tokens, s.request.num_prompt_tokens)
             self.num_prompt_tokens_computed += max(0, prompt_end - s.start)
+        return _Forward(out, logits, [s.request for s in out.scheduled if s.needs_sample])
+
+    def _sample(self, forward: _Forward) -> _LaunchedStep:
+        """Mask the logits of rows with a grammar and queue the sampling; reads nothing back.
+
+        Every grammar row's matcher must have seen all of its request's tokens but this step's
+        (``_Forward.waits_for_previous`` is false).
+        """
+        logits = forward.logits
+        grammars = [r.structured_output for r in forward.sampling]
+        if any(g is not None for g in grammars):
+            filled = self.structured.fill_bitmask(grammars)
+            if filled is not None:
+                self.structured.apply_bitmask(logits, *filled)
         rows: list[SamplingRow] = []
         row_of: dict[str, int] = {}
-        for s in out.scheduled:
-            if s.needs_sample:
-                r = s.request
-                row_of[r.request_id] = len(rows)
-                rows.append(
-                    SamplingRow(
-                        r.sampling_params,
-                        r.prompt_token_ids,
-                        r.output_token_ids,
-                        self._generator(r),
-                        # Placeholders of earlier steps; this step's own one is the token sampled now.
-                        num_pending_outputs=r.num_output_placeholders - 1,
-                    )
+        for r in forward.sampling:
+            row_of[r.request_id] = len(rows)
+            rows.append(
+                SamplingRow(
+                    r.sampling_params,
+                    r.prompt_token_ids,
+                    r.output_token_ids,
+                    self._generator(r),
+                    # Placeholders of earlier steps; this step's own one is the token sampled now.
+                    num_pending_outputs=max(0, r.num_output_placeholders - 1),
                 )
+            )
         sample = self.sampler.sample(logits, rows)
         needs_host_tokens = any(row.params.has_penalties for row in rows)
-        return _LaunchedStep(out, sample, row_of, needs_host_tokens)
+        return _LaunchedStep(forward.out, sample, row_of, needs_host_tokens)
 
     def _apply(self, step: _LaunchedStep) -> list[RequestOutput]:
         """Read a launched step's tokens on the host (waits for it) and process them."""
@@ -510,6 +566,12 @@ class LLMEngine:
             # job; its state (the seeded generator) lives until ``release_held``.
             return self._output(request, "")
         params = request.sampling_params
+        grammar = request.structured_output
+        if grammar is not None:
+            grammar.advance(request.output_token_ids)
+            if grammar.is_terminated and not request.is_finished:
+                # The grammar is complete and took its end token (ignore_eos kept it going).
+                self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
         detok = state.detokenizer
         if detok is not None:
             before = len(detok.text)
@@ -522,7 +584,7 @@ class LLMEngine:
                     self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
                     request.stop_reason = stop
         if request.is_finished:
-            del self._states[request.request_id]
+            self._forget(request.request_id)
         return self._output(request, detok.text if detok else "")
 
     @staticmethod

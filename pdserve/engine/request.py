@@ -21,9 +21,13 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pdserve.logprobs import TokenLogprobs
 from pdserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pdserve.engine.structured_output import StructuredOutputRequest
 
 
 class RequestStatus(enum.IntEnum):
@@ -84,6 +88,8 @@ class Request:
     """Tokens of scheduled steps whose output is not applied yet (async scheduling; else 0 between steps)."""
     num_output_placeholders: int = 0
     """Tokens those steps sample: on the device, not yet in ``output_token_ids``."""
+    structured_output: StructuredOutputRequest | None = None
+    """The grammar its output must follow (``SamplingParams.structured_outputs``), if any."""
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -128,6 +134,11 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def ready_to_schedule(self) -> bool:
+        """False while its grammar is still compiling (vLLM's ``WAITING_FOR_FSM``)."""
+        return self.structured_output is None or self.structured_output.ready
 
     @property
     def is_finished(self) -> bool:

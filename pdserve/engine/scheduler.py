@@ -270,10 +270,14 @@ class Scheduler:
                 i += 1
 
         # Admitting new work while running requests are being preempted would only thrash.
+        compiling: list[Request] = []  # skipped while their grammars compile; they keep their place
         while self.waiting and budget > 0 and not out.preempted:
             if len(self.running) >= self.config.max_num_seqs:
                 break
             request = self.waiting[0]
+            if not request.ready_to_schedule:
+                compiling.append(self.waiting.popleft())
+                continue
             # A request preempted with a token in flight is only queued again after that token
             # arrived: admission is skipped in any step that preempts.
             assert not request.num_inflight_tokens and not request.num_output_placeholders
@@ -299,6 +303,7 @@ class Scheduler:
             self.running.append(request)
             out.scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
+        self.waiting.extendleft(reversed(compiling))
         return out
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
