@@ -430,7 +430,12 @@ class _Peer(ControlLink):
         self.sock = sock
 
     def _close_socket(self) -> None:
-        """Forget the connection and its data-plane session: the next job starts afresh."""
+        """Forget the connection and its data-plane session: the next job starts afresh. The
+        socket goes first (ZeroMQ drops what it had not sent), then the session, which may wait
+        for ZeroMQ to let go of frames that point into the cache."""
+        if self.sock is not None:
+            self.sock.close(linger=0)
+            self.sock = None
         if self.session is not None:
             try:
                 self.session.close()
@@ -439,9 +444,6 @@ class _Peer(ControlLink):
             self.session = None
         self.peer_info = None
         self.transport = ""
-        if self.sock is not None:
-            self.sock.close(linger=0)
-            self.sock = None
 
     def _run(self) -> None:
         while True:
@@ -464,9 +466,10 @@ class _Peer(ControlLink):
                 job.future.set_exception(e if isinstance(e, KVTransferError) else KVTransferError(str(e)))
 
     def recv(self, deadline: float, kind, resend: list | None = None, idle: Callable[[], None] | None = None):
-        """The next reply of type ``kind`` (for KVAck: of the request awaited); stale replies are
-        skipped. ``resend`` goes out again every HANDSHAKE_RESEND_S without an answer; ``idle`` (a
-        data plane's progress call) runs every millisecond without one."""
+        """The next reply of type ``kind`` (for KVAck: of the request awaited); others go to the
+        session (``SenderSession.received``), which skips what it does not wait for. ``resend``
+        goes out again every HANDSHAKE_RESEND_S without an answer; ``idle`` (a data plane's
+        progress call) runs every millisecond without one."""
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -481,6 +484,8 @@ class _Peer(ControlLink):
             msg = decode(self.sock.recv(), REPLIES)
             if isinstance(msg, kind) and (not isinstance(msg, KVAck) or msg.request_id == self._waiting_for):
                 return msg
+            if self.session is not None:  # a data plane's report (nixl: a READ over) while waiting
+                self.session.received(msg)
 
     def send(self, frames: list, deadline: float) -> None:
         while True:
@@ -541,7 +546,7 @@ class _Peer(ControlLink):
             return None
         self._waiting_for = rid
         self.send([encode(job.commit)], deadline)
-        ack = self.recv(deadline, KVAck)
+        ack = self.recv(deadline, KVAck, idle=self.session.progress if self.session else None)
         if not ack.ok:
             # The peer took the data before it answered, so it has left here or is about to; if
             # it is stuck (the peer broke its side), this raises and the session is closed.

@@ -134,20 +134,26 @@ class KVRenew(KVMessage):
 
 
 class KVBlocks(KVMessage):
-    """zmq: header of one payload frame: layers [layer_start, layer_end) of the listed destination
-    blocks.
+    """zmq: header of layers [layer_start, layer_end) of the listed destination blocks.
 
-    The payload is the raw bytes of a [layer_end - layer_start, len(block_ids), 2, BS, Hkv, D]
-    tensor in the agreed dtype.
+    Without ``runs``, one payload frame: the raw bytes of a [layer_end - layer_start,
+    len(block_ids), 2, BS, Hkv, D] tensor in the agreed dtype (gathered by the sender). With
+    ``runs`` (lengths of consecutive groups of ``block_ids``, summing to their number), one payload
+    frame per (layer, run), layer-major, each the [run, 2, BS, Hkv, D] bytes of that layer's run:
+    the sender sends runs of blocks contiguous in its cache straight out of it, without a copy.
+    ``nbytes`` is the payload's total.
     """
-
-    payload_frames: ClassVar[int] = 1
 
     request_id: str
     block_ids: list[int]
     layer_start: int
     layer_end: int
     nbytes: int
+    runs: list[int] = []
+
+    @property
+    def payload_frames(self) -> int:  # type: ignore[override]
+        return (self.layer_end - self.layer_start) * len(self.runs) if self.runs else 1
 
 
 class KVReady(KVMessage):
