@@ -16,7 +16,10 @@ peer, multipart messages whose first frame is a msgpack message of ``kv_transfer
 3. Data messages of the chosen plane, handed to it (``ReceiverPlane.handle``).
 4. ``[KVRenew]``: extend leases, no reply.
 5. ``[KVCommit]`` -> ``[KVAck]``: the ack says whether every layer of every block landed
-   inside a live reservation.
+   inside a live reservation. The sender sends the commit right behind the data, without waiting
+   for an answer to it; the receiver takes it only after the data of its request (on this thread
+   for zmq, behind the plane's own work for nixl and nccl: ``ReceiverPlane.handles_commit``), so
+   a send costs one round trip, and the ack also tells the sender its blocks are no longer read.
 
 Validation on the receiver (a hostile or broken peer can neither crash the node nor write
 outside a reservation): the cluster token is compared in constant time; what a connection

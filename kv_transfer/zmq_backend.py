@@ -27,6 +27,7 @@ Runs everywhere; the default on a CPU-only host.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import warnings
@@ -243,14 +244,15 @@ class ZmqSession(SenderSession):
                 header = KVBlocks(request_id, dst_block_ids, l0, l1, (l1 - l0) * per_layer, runs=counts)
                 self.link.send([encode(header), *frames], deadline)
             return
-        idx = block_index(src, kv.device)
-        for l0, l1 in chunks:
-            staged.wait(l1)
-            part = kv.new_empty((l1 - l0, len(src), *kv.shape[2:]))
-            gather_into(kv[l0:l1], idx, part)
-            part = part.cpu()
-            header = KVBlocks(request_id, dst_block_ids, l0, l1, part.numel() * part.element_size())
-            self.link.send([encode(header), memoryview(part.view(torch.uint8).numpy())], deadline)
+        with torch.cuda.device(kv.device) if kv.is_cuda else contextlib.nullcontext():
+            idx = block_index(src, kv.device)
+            for l0, l1 in chunks:
+                staged.wait(l1)
+                part = kv.new_empty((l1 - l0, len(src), *kv.shape[2:]))
+                gather_into(kv[l0:l1], idx, part)
+                part = part.cpu()  # on CUDA: waits for the gather
+                header = KVBlocks(request_id, dst_block_ids, l0, l1, part.numel() * part.element_size())
+                self.link.send([encode(header), memoryview(part.view(torch.uint8).numpy())], deadline)
 
     def _send_tensor(self, request_id: str, tensor: torch.Tensor, dst: list[int], deadline: float) -> None:
         bytes_per_layer = tensor[0].numel() * tensor.element_size()
