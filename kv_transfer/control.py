@@ -84,6 +84,8 @@ MAX_MESSAGE_BYTES = 16 << 20
 RECEIVE_HWM = 16
 """Messages a receiver queues per connection before TCP pushes back: bounds what one peer, even
 one that never passes the handshake, can make the node hold (RECEIVE_HWM * the largest message)."""
+MESSAGES_PER_TURN = 64
+"""Messages the receiver's control thread takes in a row before it polls its planes again."""
 HANDSHAKE_RESEND_S = 1.0
 REFUSED_DRAIN_S = 1.0
 """After a refused commit, how long the sender waits for its data to finish leaving before it
@@ -274,18 +276,25 @@ class ControlReceiver(KVReceiver):
                     break
         if sock not in events:
             return
-        # Read connection events first: a connection's ACCEPTED event is queued before any message
-        # of it can arrive, so a reused routing id is never taken for the connection it replaced.
-        self._drain_monitor(monitor)
-        frames = sock.recv_multipart(copy=False)
-        peer = frames[0].bytes
-        try:
-            reply = self._handle(peer, frames[1:], info, table, on_commit)
-        except Exception as e:  # a bad frame must never take the node down
-            self._refused("dropping a malformed KV message: %s", e)
-            reply = None
-        if reply is not None:
-            sock.send_multipart([frames[0], encode(reply)])
+        # Every message already here before the planes are polled again: a sender's data and the
+        # commit right behind it are taken in one turn (nixl then acks once, not a READ's end too).
+        for _ in range(MESSAGES_PER_TURN):
+            # Read connection events first: a connection's ACCEPTED event is queued before any
+            # message of it can arrive, so a reused routing id is never taken for the connection
+            # it replaced.
+            self._drain_monitor(monitor)
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            peer = frames[0].bytes
+            try:
+                reply = self._handle(peer, frames[1:], info, table, on_commit)
+            except Exception as e:  # a bad frame must never take the node down
+                self._refused("dropping a malformed KV message: %s", e)
+                reply = None
+            if reply is not None:
+                sock.send_multipart([frames[0], encode(reply)])
 
     def _drain_monitor(self, monitor) -> None:
         while True:
@@ -550,6 +559,8 @@ class _Peer(ControlLink):
         self._waiting_for = rid
         self.send([encode(job.commit)], deadline)
         ack = self.recv(deadline, KVAck, idle=self.session.progress if self.session else None)
+        if self.session is not None:
+            self.session.acked()
         if not ack.ok:
             # The peer took the data before it answered, so it has left here or is about to; if
             # it is stuck (the peer broke its side), this raises and the session is closed.

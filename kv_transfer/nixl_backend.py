@@ -536,11 +536,14 @@ class NixlReceiverPlane(ReceiverPlane):
         return event
 
     def _end(self, peer: bytes, msg: KVReady, slot: int, error: str) -> None:
-        """The READ (and scatter) is over: unpin, free its slot, tell the sender."""
+        """The READ (and scatter) is over: unpin, free its slot, tell the sender, unless the
+        request's commit already waits here: its ack then tells the sender that every READ of the
+        request is over (it has offered them all), and an error reaches it through the ack."""
         self.table.end(msg.request_id, msg.dst_block_ids, msg.layer_start, msg.layer_end, error)
         if slot >= 0:
             self.pool.release(slot)
-        self._reply(peer, msg, error)
+        if not any(p == peer and c.request_id == msg.request_id for p, c in self._commits):
+            self._reply(peer, msg, error)
 
     def _reply(self, peer: bytes, msg: KVReady, error: str) -> None:
         """Tell the sender the READ is over: it may reuse the source blocks from now on."""
@@ -685,6 +688,14 @@ class NixlSession(SenderSession):
     def received(self, msg: KVMessage) -> None:
         if isinstance(msg, KVReadDone):
             self._done(msg)
+
+    def acked(self) -> None:
+        """The decode node answered the commit only once no READ of the request was left, and
+        reports no READ that ends after the commit arrived: every pending one is over."""
+        for slot in self._pending.values():
+            if slot >= 0:
+                self.plane.pool.release(slot)
+        self._pending.clear()
 
     def _done(self, done: KVReadDone) -> bool:
         """A READ is over: free its slot; False for a report of none pending (a transfer given up)."""

@@ -180,6 +180,12 @@ class SenderSession(ABC):
         calls it before the send's future resolves (the source blocks are read until then). If the
         sender gives up instead, closing the session stops the data."""
 
+    def acked(self) -> None:
+        """The peer answered the commit of the send just delivered (either way); a plane whose
+        peer takes the commit only after all of the request's data (nixl) knows from this that
+        nothing of it is moving any more."""
+        return None
+
     def received(self, msg: KVMessage) -> None:
         """A reply the control host received while it waited for another (a commit's ack): one of
         this plane's reports (nixl: a READ is over), or a stale reply to skip."""

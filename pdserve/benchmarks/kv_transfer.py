@@ -47,6 +47,7 @@ SHAPES = {
     # layers, KV heads, head dim, block size, dtype
     "smollm2-135m": (30, 3, 64, 16, "float32"),
     "llama-3-8b": (32, 8, 128, 16, "bfloat16"),
+    "tiny": (2, 1, 8, 16, "float32"),  # 1 KiB slabs: a one-block send is the control path alone
 }
 
 
