@@ -84,7 +84,7 @@ MAX_MESSAGE_BYTES = 16 << 20
 RECEIVE_HWM = 16
 """Messages a receiver queues per connection before TCP pushes back: bounds what one peer, even
 one that never passes the handshake, can make the node hold (RECEIVE_HWM * the largest message)."""
-MESSAGES_PER_TURN = 64
+MESSAGES_PER_TURN = 16
 """Messages the receiver's control thread takes in a row before it polls its planes again."""
 HANDSHAKE_RESEND_S = 1.0
 REFUSED_DRAIN_S = 1.0
