@@ -68,13 +68,12 @@ its cache (it drops them as soon as the socket is closed)."""
 
 @dataclass(frozen=True)
 class ZmqOptions:
-    max_frame_bytes: int = 4 << 20
+    max_frame_bytes: int = 16 << 20
     """A message carries layer chunks of at most this many bytes (one layer at least): the unit
     the sender gathers while the previous one is on the wire, and the receiver copies while the
-    next one arrives (ZeroMQ hands a message over only once all of it came). Smaller messages
-    pipeline better and cost ~30-50 us each on the receiver; 2, 4 and 16 MiB measured alike within
-    this machine's noise (0.5-0.85 of raw TCP at 16-256 MiB), 4 MiB keeps the copy that holds the
-    lease table's lock near a millisecond."""
+    next one arrives (ZeroMQ hands a message over only once all of it came). Interleaved runs on
+    this 2-core machine under load: 16 MiB 0.55-0.69 of raw TCP at 64 MiB, 4 MiB 0.47-0.51 (each
+    message costs both sides a wake-up and ~30-50 us of Python); 2 MiB no better."""
     zero_copy_min_run_bytes: int = 256 << 10
     """A CPU cache's blocks are sent in place, one frame per (layer, run), when their runs
     (consecutive in both caches) average at least this many bytes per layer; shorter runs are
