@@ -38,9 +38,11 @@ connection (handshake, transport set-up, renewals, commits: the control host, ``
 moves the blocks on its own data plane, behind the typed interfaces of ``plane``
 (``ReceiverPlane``, ``SenderPlane``, ``SenderSession``; their docstrings state the contract):
 
-* ``zmq``: CPU-staged frames on that connection; runs everywhere.
+* ``zmq``: frames on that connection, runs of blocks straight out of a CPU cache, the rest
+  gathered chunk by chunk while the previous chunk is on the wire; runs everywhere.
 * ``nixl``: the decode node READs the blocks in place, by descriptor, out of the prefill node's
-  registered KV cache into its own (UCX; VRAM on GPUs, DRAM on the CPU): no copy on either side.
+  registered KV cache into its own (UCX; VRAM on GPUs, DRAM on the CPU): no copy on either side;
+  it takes the commit, sent right behind the READ offers, once its READs ended.
 * ``nccl``: send/recv on a communicator per prefill-decode pair (torch.distributed's NCCL
   backend for CUDA caches, gloo for CPU caches: one code path), on its own CUDA stream.
 * ``sim``: simulated nodes' tiny payloads as zmq frames, held back for the time the simulated

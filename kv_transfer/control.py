@@ -16,7 +16,10 @@ peer, multipart messages whose first frame is a msgpack message of ``kv_transfer
 3. Data messages of the chosen plane, handed to it (``ReceiverPlane.handle``).
 4. ``[KVRenew]``: extend leases, no reply.
 5. ``[KVCommit]`` -> ``[KVAck]``: the ack says whether every layer of every block landed
-   inside a live reservation.
+   inside a live reservation. The sender sends the commit right behind the data, without waiting
+   for an answer to it; the receiver takes it only after the data of its request (on this thread
+   for zmq, behind the plane's own work for nixl and nccl: ``ReceiverPlane.handles_commit``), so
+   a send costs one round trip, and the ack also tells the sender its blocks are no longer read.
 
 Validation on the receiver (a hostile or broken peer can neither crash the node nor write
 outside a reservation): the cluster token is compared in constant time; what a connection
@@ -81,6 +84,8 @@ MAX_MESSAGE_BYTES = 16 << 20
 RECEIVE_HWM = 16
 """Messages a receiver queues per connection before TCP pushes back: bounds what one peer, even
 one that never passes the handshake, can make the node hold (RECEIVE_HWM * the largest message)."""
+MESSAGES_PER_TURN = 16
+"""Messages the receiver's control thread takes in a row before it polls its planes again."""
 HANDSHAKE_RESEND_S = 1.0
 REFUSED_DRAIN_S = 1.0
 """After a refused commit, how long the sender waits for its data to finish leaving before it
@@ -271,18 +276,25 @@ class ControlReceiver(KVReceiver):
                     break
         if sock not in events:
             return
-        # Read connection events first: a connection's ACCEPTED event is queued before any message
-        # of it can arrive, so a reused routing id is never taken for the connection it replaced.
-        self._drain_monitor(monitor)
-        frames = sock.recv_multipart(copy=False)
-        peer = frames[0].bytes
-        try:
-            reply = self._handle(peer, frames[1:], info, table, on_commit)
-        except Exception as e:  # a bad frame must never take the node down
-            self._refused("dropping a malformed KV message: %s", e)
-            reply = None
-        if reply is not None:
-            sock.send_multipart([frames[0], encode(reply)])
+        # Every message already here before the planes are polled again: a sender's data and the
+        # commit right behind it are taken in one turn (nixl then acks once, not a READ's end too).
+        for _ in range(MESSAGES_PER_TURN):
+            # Read connection events first: a connection's ACCEPTED event is queued before any
+            # message of it can arrive, so a reused routing id is never taken for the connection
+            # it replaced.
+            self._drain_monitor(monitor)
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            peer = frames[0].bytes
+            try:
+                reply = self._handle(peer, frames[1:], info, table, on_commit)
+            except Exception as e:  # a bad frame must never take the node down
+                self._refused("dropping a malformed KV message: %s", e)
+                reply = None
+            if reply is not None:
+                sock.send_multipart([frames[0], encode(reply)])
 
     def _drain_monitor(self, monitor) -> None:
         while True:
@@ -430,7 +442,12 @@ class _Peer(ControlLink):
         self.sock = sock
 
     def _close_socket(self) -> None:
-        """Forget the connection and its data-plane session: the next job starts afresh."""
+        """Forget the connection and its data-plane session: the next job starts afresh. The
+        socket goes first (ZeroMQ drops what it had not sent), then the session, which may wait
+        for ZeroMQ to let go of frames that point into the cache."""
+        if self.sock is not None:
+            self.sock.close(linger=0)
+            self.sock = None
         if self.session is not None:
             try:
                 self.session.close()
@@ -439,9 +456,6 @@ class _Peer(ControlLink):
             self.session = None
         self.peer_info = None
         self.transport = ""
-        if self.sock is not None:
-            self.sock.close(linger=0)
-            self.sock = None
 
     def _run(self) -> None:
         while True:
@@ -464,9 +478,10 @@ class _Peer(ControlLink):
                 job.future.set_exception(e if isinstance(e, KVTransferError) else KVTransferError(str(e)))
 
     def recv(self, deadline: float, kind, resend: list | None = None, idle: Callable[[], None] | None = None):
-        """The next reply of type ``kind`` (for KVAck: of the request awaited); stale replies are
-        skipped. ``resend`` goes out again every HANDSHAKE_RESEND_S without an answer; ``idle`` (a
-        data plane's progress call) runs every millisecond without one."""
+        """The next reply of type ``kind`` (for KVAck: of the request awaited); others go to the
+        session (``SenderSession.received``), which skips what it does not wait for. ``resend``
+        goes out again every HANDSHAKE_RESEND_S without an answer; ``idle`` (a data plane's
+        progress call) runs every millisecond without one."""
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -481,6 +496,8 @@ class _Peer(ControlLink):
             msg = decode(self.sock.recv(), REPLIES)
             if isinstance(msg, kind) and (not isinstance(msg, KVAck) or msg.request_id == self._waiting_for):
                 return msg
+            if self.session is not None:  # a data plane's report (nixl: a READ over) while waiting
+                self.session.received(msg)
 
     def send(self, frames: list, deadline: float) -> None:
         while True:
@@ -541,7 +558,9 @@ class _Peer(ControlLink):
             return None
         self._waiting_for = rid
         self.send([encode(job.commit)], deadline)
-        ack = self.recv(deadline, KVAck)
+        ack = self.recv(deadline, KVAck, idle=self.session.progress if self.session else None)
+        if self.session is not None:
+            self.session.acked()
         if not ack.ok:
             # The peer took the data before it answered, so it has left here or is about to; if
             # it is stuck (the peer broke its side), this raises and the session is closed.

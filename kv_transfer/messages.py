@@ -9,10 +9,12 @@ proxy<->node messages stay there. In protocol order:
    with its plane's own struct (``NixlOffer``, ``NcclOffer``: a tagged union, so a plane reads only
    its own fields); the receiver answers naming the first one it accepts too, with that plane's
    ``*Accept``, or refuses (then no KV moves between the two).
-3. Data, per plane: ``KVBlocks`` + payload frame (zmq), ``KVReady`` -> ``KVReadDone`` (nixl),
+3. Data, per plane: ``KVBlocks`` + payload frames (zmq), ``KVReady`` -> ``KVReadDone`` (nixl),
    ``KVSend`` (nccl; the bytes follow on the pair's communicator).
 4. ``KVRenew`` (no reply) while a prompt waits on the prefill node.
-5. ``KVCommit`` -> ``KVAck``.
+5. ``KVCommit`` -> ``KVAck``, right behind the data: the receiver takes the commit after the data
+   of its request (zmq and nccl in order on one thread, nixl once its READs ended), so a send costs
+   one round trip.
 
 A message that waits for an answer says how a refusal is answered (``refused``), so the control
 host can refuse any of them without knowing the plane it belongs to.
@@ -134,20 +136,26 @@ class KVRenew(KVMessage):
 
 
 class KVBlocks(KVMessage):
-    """zmq: header of one payload frame: layers [layer_start, layer_end) of the listed destination
-    blocks.
+    """zmq: header of layers [layer_start, layer_end) of the listed destination blocks.
 
-    The payload is the raw bytes of a [layer_end - layer_start, len(block_ids), 2, BS, Hkv, D]
-    tensor in the agreed dtype.
+    Without ``runs``, one payload frame: the raw bytes of a [layer_end - layer_start,
+    len(block_ids), 2, BS, Hkv, D] tensor in the agreed dtype (gathered by the sender). With
+    ``runs`` (lengths of consecutive groups of ``block_ids``, summing to their number), one payload
+    frame per (layer, run), layer-major, each the [run, 2, BS, Hkv, D] bytes of that layer's run:
+    the sender sends runs of blocks contiguous in its cache straight out of it, without a copy.
+    ``nbytes`` is the payload's total.
     """
-
-    payload_frames: ClassVar[int] = 1
 
     request_id: str
     block_ids: list[int]
     layer_start: int
     layer_end: int
     nbytes: int
+    runs: list[int] = []
+
+    @property
+    def payload_frames(self) -> int:  # type: ignore[override]
+        return (self.layer_end - self.layer_start) * len(self.runs) if self.runs else 1
 
 
 class KVReady(KVMessage):
@@ -158,8 +166,9 @@ class KVReady(KVMessage):
     ``dst_block_ids[i]``) for each of those layers. Packed (``src_offset`` >= 0), the sender has
     gathered them into its staging region at that offset as ``[layers, len(dst_block_ids), 2, BS,
     Hkv, D]``: the receiver READs that in one piece into its own staging region and scatters it
-    into ``dst_block_ids``. Either way it answers ``KVReadDone`` carrying ``xfer_id``; until then
-    the sender keeps the blocks (or the staged copy) unchanged.
+    into ``dst_block_ids``. Either way it answers ``KVReadDone`` carrying ``xfer_id``, and takes a
+    commit of the request only after that; until then the sender keeps the blocks (or the staged
+    copy) unchanged. The READ runs at most ``timeout_s`` (the sender's time left, less a margin).
     """
 
     request_id: str

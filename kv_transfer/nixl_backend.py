@@ -25,22 +25,26 @@ deregistering its whole cache: late bytes would land in blocks already given to 
 request.
 
 **The source blocks stay put until the READ is over.** ``send``'s future resolves only after the
-decode node reported the READ done (or failed), and the prefill node keeps the blocks until then.
-If the sender gives up first (its deadline, a dead peer), it never sends that request's commit:
-a READ still running can then only bring bytes of reused blocks into a reservation that is never
-committed.
+decode node acked the commit, which it does only once every READ of the request ended (or, for a
+send without a commit, once it reported each READ over), and the prefill node keeps the blocks
+until then. Each READ is given the send's time left less a margin (``READ_MARGIN_S``); one still
+running then is cancelled, and one found done only after it fails its request, so a READ that
+could have read blocks given back never counts. If the sender gives up first (its deadline, a
+dead peer), it keeps the blocks until the READs it offered were given up on the decode node.
 
 Per send (control messages in ``kv_transfer/messages.py`` on the control connection):
 
 1. prefill: wait for the kernels that wrote the blocks (CUDA: an event recorded by ``send``);
-2. prefill -> decode ``KVReady`` (request id, transfer id, source and destination block ids);
-3. decode, on the receiver's control thread as the message arrives: validate, pin, start one
-   READ of every layer of those blocks; the control loop then polls it until done, failed or
-   past its deadline (then cancelled), and unpins it;
-4. decode -> prefill ``KVReadDone`` on the control connection, with the request and transfer ids
-   (and the error, if any): the send is over;
-5. with a commit, it goes on the control connection next and is acked once the lease table
-   found every block of the reservation landed.
+2. prefill -> decode ``KVReady`` (request id, transfer id, source and destination block ids,
+   the READ's time to run), one per layer chunk as its layers are written, and right behind the
+   last one the ``KVCommit``, without waiting for anything;
+3. decode, on the receiver's control thread as each message arrives: validate, pin, start one
+   READ of those layers and blocks; the control loop then polls it until done, failed or past its
+   deadline (then cancelled), unpins it and sends ``KVReadDone`` (which frees a packed READ's
+   staging slot on the prefill node); the commit waits there until no READ of its request is left;
+4. decode -> prefill ``KVAck`` once the lease table found every block of the reservation landed:
+   one round trip a send, during which the bytes move; the ack also tells the prefill node that
+   its blocks are not read any more.
 
 Everything between the two nodes but the bytes themselves travels on the control connection:
 no thread hand-off on the decode node, and the prefill node's sender wakes on the reply rather
@@ -52,8 +56,14 @@ and the CUDA IPC READ switch reach UCX only through the environment (NIXL's UCX 
 UCX variables on), which ``pdserve.envs.set_up_ucx`` writes once per process, before its first
 agent. Agents run without NIXL's progress thread (idle, it costs ~40% of a core here): the
 decode node progresses UCX while its READs run (the control loop polls them), the prefill node
-every millisecond while it waits for a READ's end (transports that need the target's help, such as
-TCP, and a first connection's wire-up).
+every millisecond while it waits for a READ's end or an ack (transports that need the target's
+help, such as TCP, and a first connection's wire-up).
+
+Descriptor lists are built per READ (``coalesce``, ``initialize_xfer``), not prepared once per
+session (``prep_xfer_dlist`` + ``make_prepped_xfer``, as vLLM does): a prepared list fixes each
+descriptor's length, so a run of blocks consecutive in both caches would be one descriptor per
+(layer, block) instead of one per (layer, run), and on DRAM here the two ways cost the same for
+a 30-descriptor READ (57 vs 56 us, of which the NIXL calls are ~5 us and ``coalesce`` ~10).
 """
 
 from __future__ import annotations
@@ -70,6 +80,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
 
+import msgspec
 import numpy as np
 import torch
 
@@ -90,7 +101,9 @@ from pdserve.kv_transfer.base import (
     valid_block_ids,
 )
 from pdserve.kv_transfer.messages import (
+    KVAck,
     KVCommit,
+    KVMessage,
     KVReadDone,
     KVReady,
     KVSetup,
@@ -253,6 +266,7 @@ class NixlReceiverPlane(ReceiverPlane):
 
     name = "nixl"
     messages = (KVReady,)
+    handles_commit = True  # a commit waits here for the READs of its request still running
 
     def __init__(self, options: NixlOptions = NixlOptions()) -> None:
         super().__init__()
@@ -261,6 +275,7 @@ class NixlReceiverPlane(ReceiverPlane):
         self._sessions: dict[bytes, _Remote] = {}
         self._inflight: list[_Read] = []
         self._waiting: collections.deque[tuple[bytes, KVReady, float]] = collections.deque()
+        self._commits: list[tuple[bytes, KVCommit]] = []  # commits waiting for their READs to end
 
     def start(
         self,
@@ -270,7 +285,7 @@ class NixlReceiverPlane(ReceiverPlane):
         on_commit: Callable[[KVCommit], None],
         host: str,
     ) -> None:
-        self.kv, self.table, self.outbox = kv, table, outbox
+        self.kv, self.table, self.outbox, self.on_commit = kv, table, outbox, on_commit
         self.num_layers, self.num_blocks = kv.shape[0], kv.shape[1]
         self.slab_bytes = slab_bytes(kv)
         self.pool = StagePool(kv, self.options.staging)
@@ -311,7 +326,11 @@ class NixlReceiverPlane(ReceiverPlane):
         accept = NixlAccept(agent=self.agent.name, metadata=self.agent.get_agent_metadata())
         return KVSetupReply(ok=True, transport="nixl", accept=accept)
 
-    def handle(self, peer: bytes, msg: KVReady, payload: Sequence) -> str:
+    def handle(self, peer: bytes, msg: KVReady | KVCommit, payload: Sequence) -> str:
+        if isinstance(msg, KVCommit):
+            self._commits.append((peer, msg))
+            self._settle_commits()
+            return ""
         try:
             if msg.src_offset >= 0 and self._waiting:
                 self._queue(peer, msg)  # behind the packed READs already waiting for a slot
@@ -334,15 +353,41 @@ class NixlReceiverPlane(ReceiverPlane):
                 self._waiting.popleft()
             else:
                 break
+        if self._commits:
+            self._settle_commits()
         return bool(self._inflight or self._waiting)
 
+    def _settle_commits(self) -> None:
+        """Commit (and ack) every waiting commit whose request has no READ left running or waiting
+        for a slot: the sender sends its commit right behind its KVReadys, without waiting for
+        them, and the ack tells it both that the KV landed and that its blocks are no longer read."""
+        busy = {(r.peer, r.msg.request_id) for r in self._inflight}
+        busy.update((peer, msg.request_id) for peer, msg, _ in self._waiting)
+        waiting = []
+        for peer, commit in self._commits:
+            if (peer, commit.request_id) in busy:
+                waiting.append((peer, commit))
+                continue
+            error = self.table.commit(commit.request_id)
+            if not error:
+                self.on_commit(commit)
+            if self.outbox is not None:
+                self.outbox.put(peer, KVAck(request_id=commit.request_id, ok=not error, error=error))
+        self._commits = waiting
+
     def drop(self, peer: bytes) -> None:
-        self._sessions.pop(peer, None)  # its READs in flight run on to their end or deadline
+        """Its READs in flight run on to their end or deadline; its commits still waiting for them
+        are never taken (the sender gave up on them, and may give their blocks back any time)."""
+        self._sessions.pop(peer, None)
+        for _, commit in [c for c in self._commits if c[0] == peer]:
+            self.table.fail(commit.request_id, "the sender's connection closed before its KV landed")
+        self._commits = [c for c in self._commits if c[0] != peer]
 
     def close(self) -> None:
         """After the control thread stopped: cancel what is left, and unpin it."""
         self.outbox = None  # the control connection is gone: nobody to answer
         self._waiting.clear()
+        self._commits = []
         for read in self._inflight:
             read.deadline = 0.0
         give_up = time.monotonic() + self.options.max_read_s
@@ -487,6 +532,10 @@ class NixlReceiverPlane(ReceiverPlane):
                     read.cancel_logged = True
                 return False
         error = {"DONE": "", "PROC": "NIXL READ timed out"}.get(state, "NIXL READ failed (peer gone?)")
+        if not error and time.monotonic() > read.deadline:
+            # The sender may have stopped waiting (its deadline follows this one closely) and
+            # given the source blocks back: what landed now may be stale, so it never commits.
+            error = "NIXL READ ended past its deadline"
         if not error and read.slot >= 0:
             read.scatter = self._scatter(read)
             return self._poll(read)
@@ -512,11 +561,14 @@ class NixlReceiverPlane(ReceiverPlane):
         return event
 
     def _end(self, peer: bytes, msg: KVReady, slot: int, error: str) -> None:
-        """The READ (and scatter) is over: unpin, free its slot, tell the sender."""
+        """The READ (and scatter) is over: unpin, free its slot, tell the sender, unless the
+        request's commit already waits here: its ack then tells the sender that every READ of the
+        request is over (it has offered them all), and an error reaches it through the ack."""
         self.table.end(msg.request_id, msg.dst_block_ids, msg.layer_start, msg.layer_end, error)
         if slot >= 0:
             self.pool.release(slot)
-        self._reply(peer, msg, error)
+        if not any(p == peer and c.request_id == msg.request_id for p, c in self._commits):
+            self._reply(peer, msg, error)
 
     def _reply(self, peer: bytes, msg: KVReady, error: str) -> None:
         """Tell the sender the READ is over: it may reuse the source blocks from now on."""
@@ -597,117 +649,163 @@ def packs(
     return descriptors > options.descriptors_per_piece * pieces
 
 
+READ_MARGIN_S = 0.5
+"""A KVReady gives the decode node the send's time left less this (at most a tenth of it) for its
+READ: a READ still running then fails before the sender stops waiting for the ack, so a commit
+that waited behind it is refused before the sender may give the source blocks back."""
+
+
+def _read_timeout(left: float) -> float:
+    return max(left - min(READ_MARGIN_S, left / 10), 0.0)
+
+
 class NixlSession(SenderSession):
+    """Offers READs on the control connection. The READs offered and not yet reported over
+    (``KVReadDone``) are the session's ``pending``, whatever send offered them: reports the control
+    host receives while it waits for an ack come here too (``received``)."""
+
     def __init__(self, plane: NixlSenderPlane, link: ControlLink) -> None:
         self.plane = plane
         self.peer = link
+        self.progress = plane.progress
+        self._pending: dict[int, int] = {}  # xfer id -> staging slot (-1 in place)
+        self._error = ""  # the first refusal among the pending READs' reports
+        self._read_until = 0.0  # the latest end the decode node was given for a READ offered here
 
-    def deliver(self, request_id: str, staged: Staged, dst_block_ids: list[int], deadline: float) -> None:
+    def deliver(
+        self, request_id: str, staged: Staged, dst_block_ids: list[int], deadline: float
+    ) -> Callable[[float], None]:
         """Offer the blocks for READs, a chunk of layers as soon as the kernels that wrote it are
         done (all layers at once without per-layer events), in place or packed into staging slots
-        (``packs``); returns once the peer reported every READ over (``KVReadDone`` on the control
-        connection; raises if one failed)."""
+        (``packs``), and return: the decode node commits behind its own READs, so the commit may
+        follow at once. The returned function waits until the peer reported every READ over
+        (``KVReadDone``; raises KVRefused if one was refused); after the ack it returns at once."""
         kv, src, dst = self.plane.kv, list(staged.block_ids), list(dst_block_ids)
+        self._error = ""
         slab = slab_bytes(kv)
         layer_wise = len(staged.ready) > 1  # per-layer events: chunks follow the layers as they finish
         chunk_bytes = self.plane.options.layer_chunk_bytes if layer_wise else 0
         pieces = stage_pieces(kv.shape[0], len(dst), slab, self.plane.pool.slot_bytes, chunk_bytes)
         if packs(kv, src, dst, len(pieces), self.plane.options):
             self._deliver_packed(request_id, staged, dst, pieces, deadline)
-            return
+            return self._finish
         if layer_wise:
             chunks = layer_chunks(kv.shape[0], len(src) * slab, self.plane.options.layer_chunk_bytes)
         else:
             chunks = [(0, kv.shape[0])]
-        pending: dict[int, int] = {}  # xfer id -> staging slot (none in place)
         for l0, l1 in chunks:
             staged.wait(l1)
-            xfer_id = next(self.plane._xfer_ids)
-            left = max(deadline - time.monotonic(), 0.0)
-            self.peer.send([encode(KVReady(request_id, xfer_id, src, dst, l0, l1, left))], deadline)
-            pending[xfer_id] = -1
-        self._drain(pending, deadline, "")
+            self._offer(KVReady(request_id, next(self.plane._xfer_ids), src, dst, l0, l1, 0.0), -1, deadline)
+        return self._finish
+
+    def _offer(self, msg: KVReady, slot: int, deadline: float) -> None:
+        """Send one KVReady, with the READ's time to run (``_read_timeout``); pending until reported."""
+        now = time.monotonic()
+        timeout = _read_timeout(max(deadline - now, 0.0))
+        msg = msgspec.structs.replace(msg, timeout_s=timeout)
+        self._pending[msg.xfer_id] = slot
+        self._read_until = max(self._read_until, now + timeout)
+        self.peer.send([encode(msg)], deadline)
+
+    def _finish(self, until: float) -> None:
+        self._drain(until, "")
+
+    def received(self, msg: KVMessage) -> None:
+        if isinstance(msg, KVReadDone):
+            self._done(msg)
+
+    def acked(self) -> None:
+        """The decode node answered the commit only once no READ of the request was left, and
+        reports no READ that ends after the commit arrived: every pending one is over."""
+        for slot in self._pending.values():
+            if slot >= 0:
+                self.plane.pool.release(slot)
+        self._pending.clear()
+
+    def _done(self, done: KVReadDone) -> bool:
+        """A READ is over: free its slot; False for a report of none pending (a transfer given up)."""
+        if done.xfer_id not in self._pending:
+            return False
+        slot = self._pending.pop(done.xfer_id)
+        if slot >= 0:
+            self.plane.pool.release(slot)
+        self._error = self._error or done.error
+        return True
 
     def _deliver_packed(
         self, request_id: str, staged: Staged, dst: list[int], pieces: list, deadline: float
     ) -> None:
         """Per piece (``stage_pieces``): take a free slot (taking the peer's reports of earlier
         pieces while none is free), gather the piece into it once its layers are written, offer it
-        for one READ. A slot is free again once the peer reported its READ over, or at once if the
-        send fails: a READ still running then only brings stale bytes into a request that is
-        never committed."""
+        for one READ. A slot is free again once the peer reported its READ over."""
         plane, kv = self.plane, self.plane.kv
-        pending: dict[int, int] = {}  # xfer id -> staging slot
-        slot = None
-        error = ""
-        try:
-            with _on_device(kv), _stream(plane.stream):
-                idx = block_index(staged.block_ids, kv.device)
-                for l0, l1, b0, b1 in pieces:
-                    slot, error = self._take_slot(pending, deadline)
-                    if error:  # a piece was refused: offer no more
-                        break
+        with _on_device(kv), _stream(plane.stream):
+            idx = block_index(staged.block_ids, kv.device)
+            for l0, l1, b0, b1 in pieces:
+                slot = self._take_slot(deadline)
+                if slot is None:  # a piece was refused: offer no more
+                    break
+                try:
                     staged.wait(l1)
                     gather_into(kv[l0:l1], idx[b0:b1], plane.pool.view(slot, kv, l1 - l0, b1 - b0))
                     if plane.stream is not None:
                         plane.stream.synchronize()  # gathered before the peer reads the slot
-                    xfer_id = next(plane._xfer_ids)
-                    left = max(deadline - time.monotonic(), 0.0)
-                    offset = plane.pool.offset(slot)
-                    msg = KVReady(request_id, xfer_id, [], dst[b0:b1], l0, l1, left, src_offset=offset)
-                    self.peer.send([encode(msg)], deadline)
-                    pending[xfer_id], slot = slot, None
-            self._drain(pending, deadline, error)
-        finally:
-            for held in [*pending.values(), *([] if slot is None else [slot])]:
-                plane.pool.release(held)
+                except BaseException:
+                    plane.pool.release(slot)
+                    raise
+                offset = plane.pool.offset(slot)
+                msg = KVReady(request_id, next(plane._xfer_ids), [], dst[b0:b1], l0, l1, 0.0, offset)
+                self._offer(msg, slot, deadline)
 
-    def _take_slot(self, pending: dict[int, int], deadline: float) -> tuple[int | None, str]:
-        """A free staging slot: while none is, wait for this send's READs to end (stopping at a
-        refused one: then (None, why)), or, when it has none in flight, for other sends to give
-        one back."""
+    def _take_slot(self, deadline: float) -> int | None:
+        """A free staging slot: while none is, wait for this session's READs to end (None once one
+        was refused), or, when it has none in flight, for other sends to give one back."""
         pool = self.plane.pool
         while True:
+            if self._error:
+                return None
             slot = pool.try_acquire()
             if slot is not None:
-                return slot, ""
-            if pending:
-                error = self._wait_one(pending, deadline)
-                if error:
-                    return None, error
+                return slot
+            if self._pending:
+                self._wait_one(deadline)
                 continue
             slot = pool.acquire(min(deadline - time.monotonic(), 0.01))
             if slot is not None:
-                return slot, ""
+                return slot
             if time.monotonic() > deadline:
                 raise KVTransferError(
                     f"no nixl staging slot came free in time for KV peer {self.peer.address}"
                 )
 
-    def _wait_one(self, pending: dict[int, int], deadline: float) -> str:
-        """Wait until one of the ``pending`` READs is reported over, and free its slot (if any);
-        returns the peer's error for it ("" when it landed)."""
-        while True:
-            done = self.peer.recv(deadline, KVReadDone, idle=self.plane.progress)
-            if done.xfer_id in pending:  # others: late reports of transfers given up
-                break
-        slot = pending.pop(done.xfer_id)
-        if slot >= 0:
-            self.plane.pool.release(slot)
-        return done.error
+    def _wait_one(self, deadline: float) -> None:
+        """Wait until one of the pending READs is reported over."""
+        while not self._done(self.peer.recv(deadline, KVReadDone, idle=self.plane.progress)):
+            pass  # late reports of transfers given up
 
-    def _drain(self, pending: dict[int, int], deadline: float, error: str) -> None:
+    def _drain(self, deadline: float, error: str) -> None:
         """Wait for every READ offered to be over, even after one was refused: the send ends (and
         the caller may reuse the blocks, this plane the slots) only once none can read them any
         more. Raises KVRefused with the first refusal."""
-        while pending:
-            landed = self._wait_one(pending, deadline)
-            error = error or landed
+        while self._pending:
+            self._wait_one(deadline)
+        error = error or self._error
+        self._error = ""
         if error:
             raise KVRefused(f"KV peer {self.peer.address} refused a NIXL READ: {error}")
 
     def close(self) -> None:
-        pass
+        """The connection is gone with READs not reported over: each ends on the decode node by the
+        time it was given (failed, if it is still running then), so their blocks and slots are
+        given back only after that."""
+        if self._pending:
+            wait = min(self._read_until - time.monotonic(), self.plane.options.max_read_s) + READ_MARGIN_S
+            if wait > 0:
+                time.sleep(wait)
+            for slot in self._pending.values():
+                if slot >= 0:
+                    self.plane.pool.release(slot)
+            self._pending.clear()
 
 
 def _stream(stream):

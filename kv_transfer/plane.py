@@ -165,6 +165,10 @@ class SenderPlane(ABC):
 class SenderSession(ABC):
     """One sender's data connection to one receiver; called on the peer's thread only."""
 
+    progress: Callable[[], None] | None = None
+    """Run every millisecond while the sender waits for a reply (nixl: progress UCX, which some of
+    its transports need on this side too), if set."""
+
     @abstractmethod
     def deliver(
         self, request_id: str, staged: Staged, dst_block_ids: list[int], deadline: float
@@ -173,17 +177,28 @@ class SenderSession(ABC):
         (``KVRefused`` when the peer refused them: the connection stays up; anything else closes
         it, and this session with it).
 
-        Returns None once the peer has them (nixl: the peer reported its READs over). A plane whose
-        peer queues the commit behind the data (nccl: one thread there takes both in order) returns
-        as soon as the data is on its way, with a function that waits, until the deadline it is
-        given, for the data to have left: the sender sends the commit at once, then calls it before
-        the send's future resolves (the source blocks are read until then). If the sender gives up
-        instead, closing the session stops the data."""
+        Returns None once the peer has them. A plane whose peer queues the commit behind the data
+        (nccl: one thread there takes both in order; nixl: the decode node commits behind its own
+        READs) returns as soon as the data is on its way, with a function that waits, until the
+        deadline it is given, for the data to have left: the sender sends the commit at once, then
+        calls it before the send's future resolves (the source blocks are read until then). If the
+        sender gives up instead, closing the session stops the data."""
+
+    def acked(self) -> None:
+        """The peer answered the commit of the send just delivered (either way); a plane whose
+        peer takes the commit only after all of the request's data (nixl) knows from this that
+        nothing of it is moving any more."""
+        return None
+
+    def received(self, msg: KVMessage) -> None:
+        """A reply the control host received while it waited for another (a commit's ack): one of
+        this plane's reports (nixl: a READ is over), or a stale reply to skip."""
+        return None
 
     @abstractmethod
     def close(self) -> None:
         """The connection is dropped (timeout, broken peer, sender closing): stop any data still
-        moving."""
+        moving, or wait until it cannot move any more; then the caller may reuse its blocks."""
 
 
 OptionsT = TypeVar("OptionsT")

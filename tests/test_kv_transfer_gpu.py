@@ -1,7 +1,8 @@
-"""nccl and nixl moving VRAM blocks between two processes (GPU only).
+"""nccl, nixl and zmq moving VRAM blocks between two processes (GPU only).
 
-The sender runs here on cuda:0; the receiver runs in a spawned process on cuda:1 (nixl also on
-one GPU, through CUDA IPC; nccl needs two, as NCCL refuses two ranks on one device).
+The sender runs here on cuda:0; the receiver runs in a spawned process on cuda:1 (nixl and zmq
+also on one GPU, nixl through CUDA IPC; nccl needs two, as NCCL refuses two ranks on one device).
+zmq gathers the blocks on the device chunk by chunk and copies each chunk to the host.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ class Remote:
             self.proc.join(timeout=10)
 
 
-@pytest.fixture(params=["nixl", "nixl-packed", "nccl", "nccl-direct"])
+@pytest.fixture(params=["nixl", "nixl-packed", "nccl", "nccl-direct", "zmq"])
 def gpu_pair(request):
     name = request.param
     options = ()

@@ -16,6 +16,7 @@ import time
 import types
 from concurrent.futures import Future
 
+import msgspec
 import pytest
 import torch
 
@@ -426,3 +427,163 @@ def test_prefill_service_frees_the_blocks_only_when_the_send_is_over(engine, cas
     assert pool.num_free_blocks == total and rid not in engine.scheduler.held and not loop.commands
     assert not [r for r, x in service.shipments.items() if x.stage is Stage.SENDING]  # no send in flight
     engine.scheduler.check_integrity()
+
+
+# -- the commit behind the READs ------------------------------------------------------------------
+
+
+@nixl_only
+def test_the_commit_follows_the_reads_at_once_and_the_ack_ends_them():
+    """The sender sends its commit right behind its KVReady, without waiting for the READ: the
+    decode node takes the commit once the READs of its request ended (one round trip a send), and
+    the ack tells the sender they are over (a READ's own report, if it ended before the commit
+    arrived, reaches the sender while it waits for the ack)."""
+    pair = Pair(LARGE, src_blocks=512, dst_blocks=512)
+    try:
+        pair.sender.handshake(pair.address, info("prefill", LARGE), 10)
+        session = pair.sender._peers[pair.address].session
+        waited: list = []
+        wait_one = session._wait_one
+        session._wait_one = lambda deadline: (waited.append(deadline), wait_one(deadline))
+        for k in range(3):
+            rid = f"one-trip-{k}"
+            pair.table.add(rid, list(range(512)), time.time() + 30)
+            assert pair.send(rid, range(512), range(512)).result().ok
+        assert waited == [] and session._pending == {}  # never waited for a READ's report
+        assert torch.equal(pair.dst, pair.src) and len(pair.commits) == 3
+    finally:
+        pair.close()
+
+
+def _bare_receiver_plane(table: ReservationTable):
+    """A nixl receiver plane with its bookkeeping only (no NIXL agent): for the commit logic."""
+    from pdserve.kv_transfer.nixl_backend import NixlReceiverPlane
+
+    plane = NixlReceiverPlane()
+    plane.table = table
+    acks: list = []
+    commits: list = []
+    plane.outbox = types.SimpleNamespace(put=lambda peer, msg: acks.append((peer, msg)))
+    plane.on_commit = commits.append
+    return plane, acks, commits
+
+
+def _read(peer: bytes, rid: str, deadline: float):
+    from pdserve.kv_transfer.messages import KVReady
+    from pdserve.kv_transfer.nixl_backend import _Read
+
+    return _Read(
+        handle=None, peer=peer, msg=KVReady(rid, 1, [0], [0], 0, 3, 5.0), deadline=deadline, nbytes=0
+    )
+
+
+def test_a_commit_waiting_behind_reads_of_a_connection_that_closed_is_never_taken():
+    """The sender's connection closes while its commit waits for a READ: the request fails, and
+    when the READ ends the commit is neither taken nor acked (the sender gave up on it and may have
+    given the source blocks back)."""
+    table = ReservationTable(3)
+    table.add("r", [0], time.time() + 30)
+    plane, acks, commits = _bare_receiver_plane(table)
+    plane._inflight = [_read(b"peer", "r", time.monotonic() + 30)]
+    assert plane.handle(b"peer", KVCommit("r", first_token=1), ()) == ""
+    assert plane._commits and acks == []  # waits behind the READ
+    plane.drop(b"peer")
+    table.end("r", [0], 0, 3)  # the READ lands after all
+    plane._inflight = []
+    plane._settle_commits()
+    assert acks == [] and commits == [] and plane._commits == []
+    assert "connection closed" in table.commit("r")
+
+
+def test_a_commit_is_taken_once_the_last_read_of_its_request_ended():
+    """Commits wait per request and connection: another request's READ does not hold one back."""
+    table = ReservationTable(3)
+    for rid in ("a", "b"):
+        table.add(rid, [0 if rid == "a" else 1], time.time() + 30)
+        table.write(rid, [0 if rid == "a" else 1], 0, 3, lambda: None)
+    plane, acks, commits = _bare_receiver_plane(table)
+    plane._inflight = [_read(b"p", "a", time.monotonic() + 30)]
+    plane.handle(b"p", KVCommit("a", first_token=1), ())
+    plane.handle(b"p", KVCommit("b", first_token=2), ())
+    assert [m.request_id for _, m in acks] == ["b"] and [c.request_id for c in commits] == ["b"]
+    plane._inflight = []
+    plane._settle_commits()
+    assert [(m.request_id, m.ok) for _, m in acks] == [("b", True), ("a", True)]
+
+
+def test_a_read_that_ends_behind_a_waiting_commit_is_reported_by_the_ack_alone():
+    """Once the request's commit waits on the decode node, the sender has offered all its READs:
+    the READs' ends are not reported one by one, the ack says it (and a failure reaches the sender
+    through the ack); a READ that ends before its commit arrived is reported as usual."""
+    table = ReservationTable(3)
+    for rid in ("early", "behind"):
+        table.add(rid, [0 if rid == "early" else 1], time.time() + 30)
+    plane, replies, commits = _bare_receiver_plane(table)
+    plane.pool = types.SimpleNamespace(release=lambda slot: None)
+    for rid, block in (("early", 0), ("behind", 1)):
+        assert table.begin(rid, [block], 0, 3) == ""
+    early, behind = _read(b"p", "early", time.monotonic() + 30), _read(b"p", "behind", time.monotonic() + 30)
+    behind.msg = msgspec.structs.replace(behind.msg, dst_block_ids=[1])
+    plane._inflight = [behind]
+    plane._end(b"p", early.msg, -1, "")  # no commit waiting: reported
+    plane.handle(b"p", KVCommit("behind", first_token=1), ())
+    plane._inflight = []
+    plane._end(b"p", behind.msg, -1, "")  # its commit waits: the ack alone answers
+    plane._settle_commits()
+    assert [(type(m).__name__, m.request_id) for _, m in replies] == [
+        ("KVReadDone", "early"),
+        ("KVAck", "behind"),
+    ]
+    assert replies[1][1].ok and [c.request_id for c in commits] == ["behind"]
+
+
+def test_a_read_that_ends_past_its_deadline_fails_its_request():
+    """A READ found done only after its deadline may have read blocks the sender gave back by
+    then: it counts as failed, and the commit waiting behind it is refused."""
+    table = ReservationTable(3)
+    table.add("late", [0], time.time() + 30)
+    plane, acks, commits = _bare_receiver_plane(table)
+    plane.agent = types.SimpleNamespace(check_xfer_state=lambda handle: "DONE")
+    read = _read(b"p", "late", time.monotonic() - 0.01)
+    read.handle = types.SimpleNamespace(release=lambda: None)
+    assert table.begin("late", [0], 0, 3) == ""
+    plane._inflight = [read]
+    plane.handle(b"p", KVCommit("late", first_token=1), ())
+    assert acks == []
+    plane.poll()
+    assert len(acks) == 1  # the commit waited: the ack alone answers, with the READ's error
+    ack = acks[0][1]
+    assert not ack.ok and "past its deadline" in ack.error and commits == []
+
+
+def test_a_sender_that_loses_its_connection_keeps_the_blocks_until_its_reads_were_given_up():
+    """With READs offered and not reported over, closing a session returns only after the time the
+    decode node was given for them (plus a margin for the trip), then frees their staging slots."""
+    from pdserve.kv_transfer import nixl_backend as nb
+
+    released: list[int] = []
+    plane = types.SimpleNamespace(
+        progress=None,
+        pool=types.SimpleNamespace(release=released.append),
+        options=nb.NixlOptions(max_read_s=5.0),
+    )
+    session = nb.NixlSession(plane, types.SimpleNamespace(address="tcp://peer"))
+    session._pending = {1: -1, 2: 3}  # in place, and packed in slot 3
+    session._read_until = time.monotonic() + 0.2
+    start = time.monotonic()
+    session.close()
+    assert time.monotonic() - start >= 0.2 + nb.READ_MARGIN_S - 0.05
+    assert released == [3] and session._pending == {}
+    assert nb._read_timeout(10.0) == 10.0 - nb.READ_MARGIN_S and nb._read_timeout(1.0) == pytest.approx(0.9)
+
+
+def test_the_ack_frees_the_staging_slots_of_reads_not_reported_one_by_one():
+    from pdserve.kv_transfer import nixl_backend as nb
+
+    released: list[int] = []
+    plane = types.SimpleNamespace(progress=None, pool=types.SimpleNamespace(release=released.append))
+    session = nb.NixlSession(plane, types.SimpleNamespace(address="tcp://peer"))
+    session._pending = {7: 2, 8: -1}
+    session.acked()
+    assert released == [2] and session._pending == {}
+    session._finish(time.monotonic() + 1)  # nothing left to wait for

@@ -8,12 +8,14 @@ import time
 import msgspec
 import pytest
 import torch
+import zmq
 
-from pdserve.kv_transfer import KVTransferError, ReservationTable, create_receiver, create_sender
+from pdserve.kv_transfer import KVTransferError, ReservationTable, ZmqOptions, create_receiver, create_sender
 from pdserve.kv_transfer.messages import KVCommit
 from pdserve.messages import NodeInfo
 
 L, NB, BS, H, D = 3, 12, 4, 2, 8
+SLAB = 2 * BS * H * D * 4  # bytes of one (layer, block), float32
 
 
 def info(node_id: str, **kw) -> NodeInfo:
@@ -124,3 +126,136 @@ def test_renewed_lease_outlives_its_first_deadline(pair):
     assert ack.ok
     with pytest.raises(KVTransferError, match="lease expired"):
         sender.send(address, p, "r8", [0], [6], KVCommit("r8", 1), 5).result()
+
+
+# -- runs sent in place, one frame per (layer, run) -------------------------------------------------
+
+IN_PLACE = ZmqOptions(zero_copy_min_run_bytes=0, max_frame_bytes=2 * 3 * SLAB)  # 2 layers of 3 blocks
+
+
+@pytest.fixture
+def in_place_pair(pair):
+    src, dst, table, commits, _, address = pair
+    sender = create_sender("zmq", options=[IN_PLACE])
+    sender.register_kv_cache(src)
+    yield src, dst, table, commits, sender, address
+    sender.close()
+
+
+def test_runs_go_out_of_the_cache_in_place_and_land_in_their_blocks(in_place_pair):
+    """Blocks in runs (consecutive in both caches) travel as frames pointing into the sender's
+    cache, several layers and runs to a message; each run lands in its reserved blocks."""
+    src, dst, table, commits, sender, address = in_place_pair
+    src_ids, dst_ids = [0, 1, 2, 5, 9, 10], [7, 8, 9, 2, 3, 4]  # runs of 3, 1 and 2
+    sender.handshake(address, info("p"), 5)  # a send before it copies the blocks out at once
+    table.add("run", dst_ids, time.time() + 10)
+    ack = sender.send(address, info("p"), "run", src_ids, dst_ids, KVCommit("run", 4), 5).result()
+    assert ack.ok and [c.request_id for c in commits] == ["run"]
+    for s, d in zip(src_ids, dst_ids):
+        assert torch.equal(dst[:, d], src[:, s])
+    untouched = [b for b in range(NB) if b not in dst_ids]
+    assert dst[:, untouched].abs().sum() == 0
+    session = sender._peers[address].session
+    assert len(session._trackers) == L * 3  # one tracked frame per (layer, run)
+
+
+def test_a_failed_in_place_send_ends_only_once_zmq_let_go_of_the_cache():
+    """A send whose peer never answers: the socket is closed, then the session waits until ZeroMQ
+    released every frame pointing into the cache before the send's future fails (the caller then
+    reuses the blocks)."""
+    sender = create_sender("zmq", options=[IN_PLACE])
+    sender.register_kv_cache(torch.randn(L, NB, 2, BS, H, D))
+    receiver = create_receiver("zmq")
+    receiver.register_kv_cache(torch.zeros(L, NB, 2, BS, H, D))
+    table = ReservationTable(L)
+    address = receiver.start(info("decode-0"), table, lambda c: None)
+    sender.handshake(address, info("p"), 5)
+    session = sender._peers[address].session
+    held: list = []
+    close = session.close
+    session.close = lambda: (held.extend(session._trackers), close())  # what it held when it closed
+    table.add("r", [0, 1], time.time() + 10)
+    receiver._stop.set()  # the decode node stops reading its socket: the ack never comes
+    receiver._thread.join(timeout=5)
+    fut = sender.send(address, info("p"), "r", [0, 1], [0, 1], KVCommit("r", 1), 0.5)
+    with pytest.raises(KVTransferError, match="no reply"):
+        fut.result(timeout=10)
+    assert len(held) == L and all(t.done for t in held)  # one run, a frame per layer: all let go
+    assert sender._peers[address].session is None
+    sender.close()
+    receiver.close()
+
+
+def _raw(address: str):
+    """A DEALER that passed the handshake and set up zmq with the receiver at ``address``."""
+    from pdserve.kv_transfer.messages import KVHandshake, KVHandshakeReply, KVSetup, KVSetupReply
+    from pdserve.messages import decode, encode
+
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    sock.send(encode(KVHandshake(info("raw"))))
+    assert sock.poll(5000) and decode(sock.recv(), KVHandshakeReply).ok
+    sock.send(encode(KVSetup("raw", ["zmq"])))
+    assert sock.poll(5000) and decode(sock.recv(), KVSetupReply).ok
+    return sock
+
+
+@pytest.mark.parametrize(
+    "case, match",
+    [
+        ("runs that do not add up", "do not split"),
+        ("an empty run", "do not split"),
+        ("a frame too few", "frames where"),
+        ("a frame of the wrong size", "bytes, expected"),
+    ],
+)
+def test_run_headers_that_do_not_fit_are_refused(pair, case, match):
+    """A KVBlocks message with runs must split its blocks into runs of at least one, carry one frame
+    per (layer, run), each of exactly that run's bytes; otherwise nothing of it lands and the
+    request's commit is refused with the reason."""
+    from pdserve.kv_transfer.messages import KVAck, KVBlocks
+    from pdserve.messages import decode, encode
+
+    _, dst, table, commits, _, address = pair
+    table.add("bad", [4, 5, 6], time.time() + 10)
+    runs = {"runs that do not add up": [2, 2], "an empty run": [0, 3]}.get(case, [2, 1])
+    frames = [bytes(c * SLAB) for c in runs] * L
+    if case == "a frame too few":
+        frames = frames[:-1]
+    if case == "a frame of the wrong size":
+        frames[1] = bytes(SLAB + 4)
+    sock = _raw(address)
+    try:
+        sock.send_multipart([encode(KVBlocks("bad", [4, 5, 6], 0, L, L * 3 * SLAB, runs=runs)), *frames])
+        sock.send(encode(KVCommit("bad", first_token=1)))
+        assert sock.poll(5000)
+        ack = decode(sock.recv(), KVAck)
+    finally:
+        sock.close(linger=0)
+    assert not ack.ok and match in ack.error, ack.error
+    assert dst.abs().sum() == 0 and commits == []
+
+
+def test_runs_whose_blocks_are_not_consecutive_here_still_land_in_their_blocks(pair):
+    """A run is consecutive in the sender's cache; the receiver copies it in one piece where its
+    destination blocks are consecutive too, and block by block where they are not."""
+    from pdserve.kv_transfer.messages import KVAck, KVBlocks
+    from pdserve.messages import decode, encode
+
+    _, dst, table, commits, _, address = pair
+    table.add("scattered", [9, 2, 6], time.time() + 10)
+    payload = torch.randn(L, 3, 2, BS, H, D)
+    frames = [payload[layer, a:b].numpy().tobytes() for layer in range(L) for a, b in ((0, 2), (2, 3))]
+    sock = _raw(address)
+    try:
+        sock.send_multipart(
+            [encode(KVBlocks("scattered", [9, 2, 6], 0, L, L * 3 * SLAB, runs=[2, 1])), *frames]
+        )
+        sock.send(encode(KVCommit("scattered", first_token=1)))
+        assert sock.poll(5000)
+        assert decode(sock.recv(), KVAck).ok
+    finally:
+        sock.close(linger=0)
+    for i, block in enumerate([9, 2, 6]):
+        assert torch.equal(dst[:, block], payload[:, i])

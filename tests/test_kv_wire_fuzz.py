@@ -99,8 +99,17 @@ def kv_blocks(draw) -> list[bytes]:
     nbytes = min(max(nbytes, -(2**63)), 2**64 - 1)  # what msgpack can carry
     size = draw(st.sampled_from([right, right - 1, right + 1, 0, 7]))
     size = max(0, min(size, 64 * SLAB))  # what actually goes on the wire stays small
-    header = KVBlocks(draw(request_ids), ids, start, end, nbytes)
-    return [encode(header), bytes(size)]
+    if not draw(st.booleans()):
+        header = KVBlocks(draw(request_ids), ids, start, end, nbytes)
+        return [encode(header), bytes(size)]
+    # Runs sent in place: one frame per (layer, run), each right or wrong in its count and size.
+    cuts = sorted(draw(st.sets(st.integers(1, max(len(ids) - 1, 1)), max_size=3)))
+    runs = [b - a for a, b in zip([0, *cuts], [*cuts, len(ids)])] or [0]
+    runs = draw(st.sampled_from([runs, [*runs, 1], [0, *runs], [-1, len(ids) + 1], [len(ids)]]))
+    frames = max(min(end - start, L), 0) * len(runs) + draw(st.sampled_from([0, 0, 0, -1, 1]))
+    sizes = [max(0, min(draw(st.sampled_from([c * SLAB, c * SLAB + 4, 0])), 8 * SLAB)) for c in runs]
+    header = KVBlocks(draw(request_ids), ids, start, end, nbytes, runs=runs)
+    return [encode(header), *(bytes(sizes[i % len(sizes)]) for i in range(max(frames, 0)))]
 
 
 @st.composite

@@ -30,6 +30,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
+import itertools
 import json
 import multiprocessing as mp
 import os
@@ -47,6 +49,7 @@ SHAPES = {
     # layers, KV heads, head dim, block size, dtype
     "smollm2-135m": (30, 3, 64, 16, "float32"),
     "llama-3-8b": (32, 8, 128, 16, "bfloat16"),
+    "tiny": (2, 1, 8, 16, "float32"),  # 1 KiB slabs: a one-block send is the control path alone
 }
 
 
@@ -141,6 +144,7 @@ def _receiver(
     conn.send((address, raw.getsockname()[1]))
     buf = torch.empty(raw_bytes, dtype=torch.uint8, device=device)
     nixl = None
+    tcp = None
     while True:
         cmd = conn.recv()
         if cmd is None:
@@ -150,17 +154,28 @@ def _receiver(
             rid, n = arg
             table.add(rid, list(range(n)), time.time() + 120)
             conn.send("ok")
-        elif kind == "raw_tcp":
+        elif kind == "reserve_many":  # one block each: (request ids, block)
+            rids, block = arg
+            for rid in rids:
+                table.add(rid, [block], time.time() + 120)
+            conn.send("ok")
+        elif kind == "release_many":
+            for rid in arg:
+                table.release(rid)
+            conn.send("ok")
+        elif kind == "raw_tcp":  # one persistent connection, like pdserve's
             host_buf = memoryview(buf.numpy())
-            c, _ = raw.accept()
+            if tcp is None:
+                tcp, _ = raw.accept()
+                tcp.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.send("ready")
             got = 0
             while got < arg:
-                k = c.recv_into(host_buf[got:arg])
+                k = tcp.recv_into(host_buf[got:arg])
                 if k == 0:
                     break
                 got += k
-            c.sendall(b"k")
-            c.close()
+            tcp.sendall(b"k")
             conn.send(got)
         elif kind == "nccl_init":
             import torch.distributed as dist
@@ -186,9 +201,11 @@ def _receiver(
         elif kind == "raw_nixl":
             nbytes, piece = arg
             remote_name, address_remote, dev, mem = nixl_remote
+            start = time.perf_counter()
             local = nixl.get_xfer_descs(_pieces(buf.data_ptr(), nbytes, piece, max(buf.get_device(), 0)), mem)
             remote = nixl.get_xfer_descs(_pieces(address_remote, nbytes, piece, dev), mem)
-            conn.send(_nixl_run(nixl, "READ", local, remote, remote_name))
+            state = _nixl_run(nixl, "READ", local, remote, remote_name)
+            conn.send((state, time.perf_counter() - start))  # the operation alone, timed here
         elif kind == "ping":
             conn.send("pong")
     receiver.close()
@@ -215,22 +232,90 @@ def _median(times: list[float]) -> float:
     return times[len(times) // 2]
 
 
-def _time_transport(remote, sender, address, shape, n: int, repeats: int, tag: str, src_ids=None) -> float:
+def _best(times: list[float]) -> float:
+    """The fastest of the timed runs (the first, a warm-up at the same size, is left out): what a
+    transport can do, with the noise of a shared machine kept out; every figure, pdserve's and the
+    anchors', is taken this way, with the median beside it, from runs interleaved round by round."""
+    return min(times[1:])
+
+
+def _time_send(remote, sender, address, shape, n: int, rid: str, src_ids=None) -> float:
+    """One pdserve send of ``n`` blocks into reserved blocks 0..n-1, from ``KVSender.send`` to the ack."""
     from pdserve.kv_transfer.messages import KVCommit
 
     src_ids = range(n) if src_ids is None else src_ids
+    remote.call("reserve", (rid, n))
+    start = time.perf_counter()
+    ack = sender.send(address, _info("bench-prefill", shape), rid, src_ids, range(n), KVCommit(rid, 0), 120)
+    ack = ack.result()
+    seconds = time.perf_counter() - start
+    assert ack.ok, ack.error
+    return seconds
+
+
+def _raw_nccl(remote, flat: torch.Tensor, nbytes: int, device: str) -> float:
+    import torch.distributed as dist
+
+    _sync(device)
+    remote.conn.send(("raw_nccl", nbytes))
+    start = time.perf_counter()
+    dist.send(flat[:nbytes], dst=1)
+    assert remote.conn.recv() == "done"
+    return time.perf_counter() - start
+
+
+def _raw_nixl_read(remote, nbytes: int, piece: int, op_times: list[float]) -> float:
+    start = time.perf_counter()
+    state, op_seconds = remote.call("raw_nixl", (nbytes, piece))
+    seconds = time.perf_counter() - start
+    assert state == "DONE", state
+    op_times.append(op_seconds)
+    return seconds
+
+
+def _raw_nixl_write(remote, agent, local, target, receiver_name: str) -> float:
+    start = time.perf_counter()
+    assert _nixl_run(agent, "WRITE", local, target, receiver_name) == "DONE"
+    assert remote.call("ping") == "pong"
+    return time.perf_counter() - start
+
+
+def _raw_copy(scratch: torch.Tensor, src: torch.Tensor, device: str) -> float:
+    _sync(device)
+    start = time.perf_counter()
+    scratch.copy_(src)
+    _sync(device)
+    return time.perf_counter() - start
+
+
+def _raw_tcp(remote, tcp: socket.socket, payload: memoryview, nbytes: int) -> float:
+    remote.conn.send(("raw_tcp", nbytes))
+    assert remote.conn.recv() == "ready"
+    start = time.perf_counter()
+    tcp.sendall(payload)
+    tcp.recv(1)
+    seconds = time.perf_counter() - start
+    assert remote.conn.recv() == nbytes
+    return seconds
+
+
+def _fixed_cost_us(remote, sender, address, shape, count: int, tag: str) -> dict:
+    """The fixed cost of a send: one block from ``KVSender.send`` to the decode side's ack, ``count``
+    times in a row (after 10 to warm up); p50 and p90 in microseconds."""
+    from pdserve.kv_transfer.messages import KVCommit
+
+    rids = [f"{tag}-one-{i}" for i in range(count + 10)]
+    remote.call("reserve_many", (rids, 0))
+    info = _info("bench-prefill", shape)
     times = []
-    for i in range(repeats + 1):  # the first run connects and warms up
-        rid = f"{tag}-{n}-{i}"
-        remote.call("reserve", (rid, n))
+    for rid in rids:
         start = time.perf_counter()
-        ack = sender.send(
-            address, _info("bench-prefill", shape), rid, src_ids, range(n), KVCommit(rid, 0), 120
-        )
-        ack = ack.result()
+        ack = sender.send(address, info, rid, [0], [0], KVCommit(rid, 0), 30).result()
         times.append(time.perf_counter() - start)
         assert ack.ok, ack.error
-    return _median(times[1:])
+    remote.call("release_many", rids)
+    times = sorted(times[10:])
+    return {"p50": times[len(times) // 2] * 1e6, "p90": times[int(len(times) * 0.9)] * 1e6}
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -306,93 +391,115 @@ def run(args: argparse.Namespace) -> dict:
         receiver_name = agent.add_remote_agent(receiver_metadata)
         mem = "VRAM" if cuda else "DRAM"
 
+    # The fixed cost of a send, before any size: one block, send to ack, many times in a row.
+    fixed = {}
+    for name, sender in senders.items():
+        fixed[name] = _fixed_cost_us(remote, sender, address, shape, args.one_block_count, name)
+        p50, p90 = fixed[name]["p50"], fixed[name]["p90"]
+        print(f"fixed cost of a one-block send, {name}: p50 {p50:.0f} us, p90 {p90:.0f} us", flush=True)
+
+    tcp = None
     rows = []
     for size in sizes:
         n = -(-size * (1 << 20) // block_bytes)
         nbytes = n * block_bytes
         row = {"mib": size, "blocks": n, "bytes": nbytes}
+
+        # Every way of moving the bytes, as a function timing one run (seconds). They run in
+        # rounds, each once a round, so that the load of a shared machine falls on all of them
+        # alike; the first round warms each up at this exact size and is left out.
+        runs: dict = {}
+        shuffled = torch.randperm(n, generator=torch.Generator().manual_seed(n)).tolist()
+        count = itertools.count()
+
+        def transport(sender, src_ids=None, tag: str = "", n: int = n, count=count):
+            return lambda: _time_send(remote, sender, address, shape, n, f"{tag}-{next(count)}", src_ids)
+
         for name, sender in senders.items():
-            seconds = _time_transport(remote, sender, address, shape, n, repeats, name)
-            row[f"pdserve_{name}_gb_s"] = nbytes / seconds / 1e9
+            runs[f"pdserve_{name}"] = transport(sender, tag=name)
             # The same blocks taken in a shuffled order: no two consecutive in the source cache.
-            shuffled = torch.randperm(n, generator=torch.Generator().manual_seed(n)).tolist()
-            seconds = _time_transport(remote, sender, address, shape, n, repeats, name + "-s", shuffled)
-            row[f"pdserve_{name}_shuffled_gb_s"] = nbytes / seconds / 1e9
+            runs[f"pdserve_{name}_shuffled"] = transport(sender, shuffled, name + "-s")
         for mode in ("direct", "staged"):  # both of nccl's ways
             if f"nccl-{mode}" in forced:
-                seconds = _time_transport(remote, forced[f"nccl-{mode}"], address, shape, n, repeats, mode)
-                row[f"pdserve_nccl_{mode}_gb_s"] = nbytes / seconds / 1e9
-        shuffled = torch.randperm(n, generator=torch.Generator().manual_seed(n)).tolist()
+                runs[f"pdserve_nccl_{mode}"] = transport(forced[f"nccl-{mode}"], tag=mode)
         for mode in ("inplace", "packed"):  # both of nixl's ways, in order and shuffled
             sender = forced.get(f"nixl-{mode}")
             for suffix, ids in (("", None), ("_shuffled", shuffled)) if sender is not None else ():
-                tag = f"nixl-{mode}{suffix}"
-                seconds = _time_transport(remote, sender, address, shape, n, repeats, tag, ids)
-                row[f"pdserve_nixl_{mode}{suffix}_gb_s"] = nbytes / seconds / 1e9
+                runs[f"pdserve_nixl_{mode}{suffix}"] = transport(sender, ids, f"nixl-{mode}{suffix}")
         if "nccl" in anchors:
-            import torch.distributed as dist
-
-            times = []
-            for _ in range(repeats + 1):
-                _sync(send_dev)
-                remote.conn.send(("raw_nccl", nbytes))
-                start = time.perf_counter()
-                dist.send(flat[:nbytes], dst=1)
-                assert remote.conn.recv() == "done"
-                times.append(time.perf_counter() - start)
-            row[f"raw_{'nccl' if cuda else 'gloo'}_gb_s"] = nbytes / _median(times[1:]) / 1e9
+            runs[f"raw_{'nccl' if cuda else 'gloo'}"] = functools.partial(
+                _raw_nccl, remote, flat, nbytes, send_dev
+            )
+        op_times: dict[str, list[float]] = {}
         if nixl_anchor:
             # READ by the receiver in one descriptor and in 2 MiB ones (a run of 32 blocks per layer
             # of Llama-3-8B), and WRITE by the sender (then a ping, so the receiver knows, as a READ's
             # reply tells the sender).
             for label, piece in (("raw_nixl_read", 0), ("raw_nixl_read_2mib", 2 << 20)):
-                times = []
-                for _ in range(repeats + 1):
-                    start = time.perf_counter()
-                    assert remote.call("raw_nixl", (nbytes, piece)) == "DONE"
-                    times.append(time.perf_counter() - start)
-                row[f"{label}_gb_s"] = nbytes / _median(times[1:]) / 1e9
+                runs[label] = functools.partial(
+                    _raw_nixl_read, remote, nbytes, piece, op_times.setdefault(label, [])
+                )
             local = agent.get_xfer_descs(_pieces(flat.data_ptr(), nbytes, 0, max(flat.get_device(), 0)), mem)
             target = agent.get_xfer_descs(_pieces(receiver_address, nbytes, 0, receiver_device), mem)
-            times = []
-            for _ in range(repeats + 1):
-                start = time.perf_counter()
-                assert _nixl_run(agent, "WRITE", local, target, receiver_name) == "DONE"
-                assert remote.call("ping") == "pong"
-                times.append(time.perf_counter() - start)
-            row["raw_nixl_write_gb_s"] = nbytes / _median(times[1:]) / 1e9
+            runs["raw_nixl_write"] = functools.partial(
+                _raw_nixl_write, remote, agent, local, target, receiver_name
+            )
         if "copy" in anchors and cuda:  # one device copy of the same bytes (the same-GPU ceiling)
             scratch = torch.empty(nbytes, dtype=torch.uint8, device=send_dev)
-            times = []
-            for _ in range(repeats + 1):
-                _sync(send_dev)
-                start = time.perf_counter()
-                scratch.copy_(flat[:nbytes])
-                _sync(send_dev)
-                times.append(time.perf_counter() - start)
-            row["raw_copy_gb_s"] = nbytes / _median(times[1:]) / 1e9
-            del scratch
+            runs["raw_copy"] = functools.partial(_raw_copy, scratch, flat[:nbytes], send_dev)
         if "tcp" in anchors and not cuda:
-            payload = memoryview(flat[:nbytes].numpy())
-            times = []
-            for _ in range(repeats + 1):
-                remote.conn.send(("raw_tcp", nbytes))
-                start = time.perf_counter()
-                with socket.create_connection(("127.0.0.1", raw_port)) as s:
-                    s.sendall(payload)
-                    s.recv(1)
-                assert remote.conn.recv() == nbytes
-                times.append(time.perf_counter() - start)
-            row["raw_tcp_gb_s"] = nbytes / _median(times[1:]) / 1e9
-        measured = [k[len("pdserve_") : -len("_gb_s")] for k in row if k.startswith("pdserve_")]
+            # The same bytes out of the source cache into a preallocated buffer, on one connection
+            # kept open (as pdserve's is).
+            if tcp is None:
+                tcp = socket.create_connection(("127.0.0.1", raw_port))
+                tcp.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            runs["raw_tcp"] = functools.partial(
+                _raw_tcp, remote, tcp, memoryview(flat[:nbytes].numpy()), nbytes
+            )
+        times: dict[str, list[float]] = {key: [] for key in runs}
+        for _ in range(repeats + 1):
+            for key, run_once in runs.items():
+                times[key].append(run_once())
+        if "raw_nixl_read" in op_times:  # the READ alone, without the request to the receiver and its answer
+            times["raw_nixl_read_op"] = op_times["raw_nixl_read"]
+        for key, taken in times.items():
+            row[f"{key}_gb_s"] = nbytes / _best(taken) / 1e9
+            row[f"{key}_median_gb_s"] = nbytes / _median(taken[1:]) / 1e9
+        runs.clear()
+        scratch = None
+        measured = [
+            k[len("pdserve_") : -len("_gb_s")]
+            for k in row
+            if k.startswith("pdserve_") and not k.endswith("_median_gb_s")
+        ]
         for name in measured:
-            for anchor in ("raw_nccl", "raw_gloo", "raw_nixl_read", "raw_nixl_write", "raw_copy", "raw_tcp"):
+            for anchor in (
+                "raw_nccl",
+                "raw_gloo",
+                "raw_nixl_read",
+                "raw_nixl_read_op",
+                "raw_nixl_write",
+                "raw_copy",
+                "raw_tcp",
+            ):
                 if f"{anchor}_gb_s" in row:
                     row[f"ratio_{name}_to_{anchor}"] = row[f"pdserve_{name}_gb_s"] / row[f"{anchor}_gb_s"]
         rows.append(row)
-        figures = ", ".join(f"{k[:-5]} {v:.2f}" for k, v in row.items() if k.endswith("_gb_s"))
-        print(f"{size:5d} MiB ({n} blocks), GB/s: {figures}", flush=True)
+        figures = ", ".join(
+            f"{k[:-5]} {v:.2f}" for k, v in row.items() if k.endswith("_gb_s") and "_median" not in k
+        )
+        print(f"{size:5d} MiB ({n} blocks), GB/s (best of {repeats}): {figures}", flush=True)
+        # The anchor each transport is held to (every ratio is in the JSON).
+        own = {"zmq": "raw_tcp", "nixl": "raw_nixl_read", "nccl": "raw_nccl" if cuda else "raw_gloo"}
+        ratios = ", ".join(
+            f"{k[6:]} {v:.2f}"
+            for k, v in row.items()
+            if k.startswith("ratio_") and k.endswith("_to_" + own.get(k[6:].split("_")[0], ""))
+        )
+        print(f"{size:5d} MiB ratios (best to best): {ratios}", flush=True)
 
+    if tcp is not None:
+        tcp.close()
     remote.conn.send(None)
     remote.proc.join(timeout=30)
     for sender in [*senders.values(), *forced.values()]:
@@ -443,8 +550,9 @@ def run(args: argparse.Namespace) -> dict:
             "dtype": dtype,
             "bytes_per_block": block_bytes,
         },
-        "what": "pdserve_<t>: time from KVSender.send (for zmq and staged nccl, copying the blocks out of "
-        "the cache included; nixl READs them in place, direct nccl sends them in place) to the decode "
+        "what": "pdserve_<t>: time from KVSender.send (for staged nccl, copying the blocks out of the cache "
+        "included, for zmq gathering those it does not send in place; nixl READs them in place, direct "
+        "nccl sends them in place) to the decode "
         "side's ack after every block landed in its reserved slots, through transport t, blocks 0..n-1 "
         "into reserved blocks 0..n-1 (runs consecutive in both caches); pdserve_<t>_shuffled: the "
         "source blocks in a shuffled order (no two consecutive); pdserve_nccl_direct / _staged: nccl "
@@ -452,13 +560,23 @@ def run(args: argparse.Namespace) -> dict:
         "raw_nccl (raw_gloo on the CPU): dist.send of one contiguous tensor until the receiver synced "
         "its recv; "
         "raw_nixl_read: one NIXL READ of one contiguous registered region, started by the receiver "
+        "at the sender's request and timed by the sender to the receiver's answer (over a "
+        "multiprocessing pipe); raw_nixl_read_op: the same READ timed inside the receiver, the "
+        "operation alone; "
         "(_2mib: the region in 2 MiB descriptors); raw_nixl_write: one NIXL WRITE of it by the sender, "
         "then a ping to the receiver; raw_copy (--same-gpu): one device copy of the bytes; "
         "pdserve_nixl_inplace / _packed: nixl forced to READ the blocks in place (one descriptor per run "
         "and layer) or to pack them into staging slots (gather, one READ a slot, scatter); pdserve_nixl: the "
         "way it picks (NixlOptions.descriptors_per_piece); "
-        "raw_tcp: one socket, sendall into recv_into. GB/s = bytes / median time.",
+        "raw_tcp: one persistent socket, sendall out of the source cache into recv_into a preallocated "
+        "buffer, then a one-byte reply. Each size runs once to warm up, then `repeats` times: GB/s = "
+        "bytes / the fastest run (pdserve's and every anchor's alike; *_median_gb_s: the median run), "
+        "ratio_* of those; every way runs once a round, the rounds in a row. "
+        "one_block_send_us: the fixed cost of a send, one block from KVSender.send to "
+        "the ack, p50 and p90 of one_block_count sends in a row.",
         "repeats": repeats,
+        "one_block_count": args.one_block_count,
+        "one_block_send_us": fixed,
         "nixl_max_desc_bytes": max_desc_bytes,
         "nccl_direct_min_run_bytes": NcclOptions().direct_min_run_bytes,
         "nixl_descriptors_per_piece": NixlOptions().descriptors_per_piece,
@@ -484,7 +602,12 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
         "--anchors", default="", help="raw anchors: nccl, nixl, tcp, copy (default: nccl,nixl on cuda)"
     )
     p.add_argument("--shape", choices=sorted(SHAPES), default="", help="KV shape (default by device)")
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument(
+        "--repeats", type=int, default=5, help="timed runs per size (after one warm-up); best taken"
+    )
+    p.add_argument(
+        "--one-block-count", type=int, default=200, help="one-block sends timed for the fixed cost (p50, p90)"
+    )
     p.add_argument(
         "--nixl-max-desc-mib",
         type=float,
