@@ -26,16 +26,13 @@ from fastapi.responses import StreamingResponse
 from pdserve import kv_transfer
 from pdserve.config import EngineConfig, NodeConfig, Role
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.request import RequestStatus
 from pdserve.kv_transfer import ReservationTable
 from pdserve.kv_transfer.messages import KVCommit
 from pdserve.messages import (
     LandingDescriptor,
-    LogprobsMsg,
     ReserveRequest,
     StreamRequest,
-    TokenEvent,
     frame,
 )
 from pdserve.node.engine_loop import error_output
@@ -51,6 +48,7 @@ from pdserve.node.framework import (
     node_info,
     read_message,
 )
+from pdserve.node.token_events import TokenEvents
 from pdserve.prefill_node.server import PrefillService
 
 logger = logging.getLogger(__name__)
@@ -116,7 +114,9 @@ class DecodeService(NodeService):
         request the engine can never serve."""
         engine.validate_request(msg.request_id, msg.prompt_token_ids, msg.params)
         self.state.check_room()
-        if engine.blocks_for_tokens(len(msg.prompt_token_ids) + 1) > engine.num_free_blocks:
+        # The prompt, and a block of its own for each forked sequence (parallel sampling).
+        num_blocks = engine.blocks_for_tokens(len(msg.prompt_token_ids) + 1) + msg.params.num_sequences - 1
+        if num_blocks > engine.num_free_blocks:
             return False
         self.pending_local[msg.request_id] = (msg, deadline)
         self.state.track_deadline(msg.request_id, msg.deadline)
@@ -167,28 +167,6 @@ class DecodeService(NodeService):
 
     def add_routes(self, app: FastAPI) -> None:
         add_decode_routes(app, self)
-
-
-def _event(out: RequestOutput, sent_tokens: int, sent_text: int, hold: int) -> tuple[TokenEvent, int, int]:
-    """The delta of ``out`` after what was sent; text near a possible stop string is held back."""
-    c = out.outputs[0]
-    visible = len(c.text) if out.finished else max(sent_text, len(c.text) - hold)
-    logprobs = None
-    if c.logprobs is not None:
-        logprobs = [LogprobsMsg.from_logprobs(lp) for lp in c.logprobs[sent_tokens:] if lp is not None]
-    error = c.stop_reason if c.finish_reason == "error" and isinstance(c.stop_reason, str) else ""
-    event = TokenEvent(
-        request_id=out.request_id,
-        token_ids=c.token_ids[sent_tokens:],
-        text=c.text[sent_text:visible],
-        logprobs=logprobs,
-        finish_reason=c.finish_reason,
-        stop_reason=None if error else c.stop_reason,
-        num_prompt_tokens=len(out.prompt_token_ids),
-        num_cached_tokens=out.num_cached_tokens,
-        error=error,
-    )
-    return event, len(c.token_ids), visible
 
 
 def create_app(engine_config: EngineConfig, node: NodeConfig) -> FastAPI:
@@ -256,14 +234,13 @@ def add_decode_routes(app: FastAPI, service: DecodeService) -> None:
         await state.loop.call(lambda e: service.start_local(e, rid))
 
         async def events():
-            sent_tokens = sent_text = 0
+            deltas = TokenEvents(hold)
             finished = False
             try:
                 while not finished:
                     out = await queue.get()
-                    event, sent_tokens, sent_text = _event(out, sent_tokens, sent_text, hold)
                     finished = out.finished
-                    if event.token_ids or event.text or finished:
+                    for event in deltas.events(out):
                         yield frame(event)
             finally:
                 state.loop.unsubscribe(rid)  # (a final output that came before us left it there)

@@ -59,6 +59,7 @@ from pdserve.node.framework import (
     node_app,
     read_message,
 )
+from pdserve.node.token_events import logprobs_msgs
 from pdserve.utils import cdiv
 
 logger = logging.getLogger(__name__)
@@ -209,8 +210,9 @@ class PrefillService(NodeService):
         """Queue the prompt of a shipment ``open`` made; raises ``NodeRefused`` when the node's
         queue is full, ValueError for a request the engine can never serve."""
         self.state.check_room()
-        params = msg.params
-        # Only the first token is sampled here; stop strings are the decode node's concern.
+        # Only the first token (of the first sequence) is sampled here; stop strings and the other
+        # sequences of a parallel-sampling request are the decode node's concern.
+        params = msg.params.for_sequence(0)
         params = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1), stop=())
         engine.add_request(
             msg.request_id, None, params, prompt_token_ids=msg.prompt_token_ids, hold_blocks=True
@@ -423,6 +425,12 @@ def add_prefill_routes(app: FastAPI, service: PrefillService) -> None:
             # This handler is the slot's only reader: once it returns, nothing reads the slot, and a
             # slot left behind would hold the node's drain until it expires.
             state.loop.unsubscribe(rid)
+        prompt_logprobs = None if out.prompt_logprobs is None else logprobs_msgs(out.prompt_logprobs)
         return msgpack_response(
-            PrefillResult(request_id=rid, ok=True, num_cached_tokens=out.num_cached_tokens)
+            PrefillResult(
+                request_id=rid,
+                ok=True,
+                num_cached_tokens=out.num_cached_tokens,
+                prompt_logprobs=prompt_logprobs,
+            )
         )

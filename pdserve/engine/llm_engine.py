@@ -20,6 +20,7 @@ engine.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -264,8 +265,11 @@ class LLMEngine:
     ) -> list[int] | None:
         """Reserve blocks for a prompt whose KV another node computes; None when blocks are short now.
 
-        Raises ValueError for a request this engine can never serve.
+        Raises ValueError for a request this engine can never serve. Prompt logprobs are the
+        computing node's to report: none are computed here.
         """
+        if params.prompt_logprobs is not None:
+            params = dataclasses.replace(params, prompt_logprobs=None)
         request = self._new_request(request_id, None, params, prompt_token_ids)
         self._validate_forks(request)
         # Another node writes these blocks, unordered with this engine's stream: a block freed
