@@ -3,9 +3,10 @@
 One builder per request accumulates text, token counts, cached tokens and logprobs. In
 streaming mode ``add`` returns the SSE bytes for each event; ``finish`` returns the closing
 chunks (the usage chunk with ``choices: []`` when asked for, then ``[DONE]``); otherwise
-``response`` builds the whole body at the end. Chat streams open with a chunk whose delta
-is ``{"role": "assistant", "content": ""}``; the chunk of the last token carries
-``finish_reason``, as in OpenAI and vLLM.
+``response`` builds the whole body at the end. Chat streams open with a chunk per choice whose
+delta is ``{"role": "assistant", "content": ""}``; the chunk of a choice's last token carries
+its ``finish_reason``, as in OpenAI and vLLM. Several choices (``n``, ``best_of``, several
+prompts) are kept apart by ``TokenEvent.index`` (see ``_Builder``).
 """
 
 from __future__ import annotations

@@ -218,6 +218,16 @@ class LLMEngine:
         return request
 
     def _validate_forks(self, request: Request) -> None:
+        if not request.pending_forks:
+            return
+        num_seqs, num_prompt = len(request.pending_forks) + 1, request.num_prompt_tokens
+        num_blocks = self.blocks_for_tokens(num_prompt + 1) + num_seqs - 1
+        total = self.scheduler.kv.pool.num_blocks
+        if num_blocks > total:
+            raise ValueError(
+                f"{num_seqs} sequences of a {num_prompt}-token prompt need {num_blocks} KV blocks to start, "
+                f"more than the cache holds ({total})"
+            )
         for child in request.pending_forks:
             if self.scheduler.get_request(child.request_id) is not None or child.request_id in self._group_of:
                 raise ValueError(f"duplicate request id {child.request_id!r}")
