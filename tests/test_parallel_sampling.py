@@ -232,3 +232,30 @@ def test_prompt_logprobs_agree_with_decode_logprobs_and_skip_the_cache(llm):
             assert lp.logprob == pytest.approx(dec.logprob, abs=1e-4)
             assert lp.rank == dec.rank == 1 and len(lp.top) == 2
     _idle(llm)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_forks_on_cuda_with_graphs(async_scheduling):
+    """The block copies and prompt logprobs on the device, with CUDA graphs for the decode steps."""
+    llm = LLM(
+        "random:tiny",
+        device="cuda",
+        dtype="float32",
+        max_model_len=256,
+        num_kv_blocks=64,
+        block_size=16,
+        max_num_seqs=8,
+        async_scheduling=async_scheduling,
+    )
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    ref = llm.generate(PROMPTS, greedy)
+    out = llm.generate(PROMPTS, SamplingParams(**{**greedy.__dict__, "n": 4, "prompt_logprobs": 1}))
+    for r, o in zip(ref, out):
+        assert all(c.token_ids == r.outputs[0].token_ids for c in o.outputs)
+        assert len(o.prompt_logprobs) == len(o.prompt_token_ids) and o.prompt_logprobs[0] is None
+    seeded = SamplingParams(temperature=1.0, seed=5, max_tokens=24, ignore_eos=True, n=3)
+    assert [[c.token_ids for c in o.outputs] for o in llm.generate(PROMPTS, seeded)] == [
+        [c.token_ids for c in o.outputs] for o in llm.generate(PROMPTS, seeded)
+    ]
+    _idle(llm)

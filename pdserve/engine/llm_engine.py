@@ -69,7 +69,6 @@ class _Group:
     ``outputs`` hold every sequence by index; it is finished when all of them are."""
 
     request_id: str
-    params: SamplingParams
     sequences: list[Request]
     texts: list[str]
 
@@ -195,7 +194,7 @@ class LLMEngine:
         request.hold_blocks = hold_blocks
         self._validate_forks(request)
         self.scheduler.add_request(request)
-        self._track(request, params)
+        self._track(request)
         return request
 
     def validate_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -246,12 +245,11 @@ class LLMEngine:
             request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids, prompt=prompt
         )
 
-    def _track(self, request: Request, params: SamplingParams | None = None) -> None:
-        """Give a new request (and the sequences it forks) a generator and a detokenizer; ``params``
-        are the caller's, which make a group when they ask for several sequences."""
+    def _track(self, request: Request) -> None:
+        """Give a new request (and the sequences it forks, as a group) a generator and a detokenizer."""
         if request.pending_forks:
             sequences = [request, *request.pending_forks]
-            group = _Group(request.request_id, params, sequences, [""] * len(sequences))
+            group = _Group(request.request_id, sequences, [""] * len(sequences))
             self._groups[request.request_id] = group
             for r in sequences:
                 self._group_of[r.request_id] = group
@@ -288,7 +286,7 @@ class LLMEngine:
         self.wait_for_device()
         block_ids = self.scheduler.reserve_remote(request)
         if block_ids is not None:
-            self._track(request, params)
+            self._track(request)
         return block_ids
 
     def remote_kv_landed(
@@ -635,7 +633,7 @@ class LLMEngine:
     def _request_output(first: Request, outputs: list[CompletionOutput], finished: bool) -> RequestOutput:
         prompt_logprobs = None
         if first.sampling_params.prompt_logprobs is not None and not first.needs_prompt_logprobs:
-            prompt_logprobs = list(first.prompt_logprobs)
+            prompt_logprobs = first.prompt_logprobs  # complete: never changes again, so not copied
         return RequestOutput(
             request_id=first.request_id,
             prompt=first.prompt,
