@@ -228,6 +228,10 @@ MAX_SEQUENCES = 128
 """The most sequences one prompt may ask for (``n``, ``best_of``), OpenAI's bound on ``n``."""
 
 
+MAX_PROMPTS = 256
+"""The most prompts one completion request may hold: each becomes a request of its own."""
+
+
 def completion_prompts(request: CompletionRequest) -> list[str | list[int]]:
     """The prompts of a completion request, each as text or token ids (one, or a list of them)."""
     prompt = request.prompt
@@ -237,6 +241,8 @@ def completion_prompts(request: CompletionRequest) -> list[str | list[int]]:
         prompts = list(prompt)
     if not prompts:
         raise bad_request("the prompt list is empty", "prompt")
+    if len(prompts) > MAX_PROMPTS:
+        raise bad_request(f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}", "prompt")
     for i, p in enumerate(prompts):
         if len(p) == 0:
             raise bad_request(

@@ -176,6 +176,7 @@ def test_completion_prompt_forms():
     assert completion_prompts(completion(prompt=["a", "b"])) == ["a", "b"]
     assert completion_prompts(completion(prompt=[[1], [2, 3]])) == [[1], [2, 3]]
     raises(400, "prompt", completion_prompts, completion(prompt=["a", ""]))
+    raises(400, "prompt", completion_prompts, completion(prompt=["a"] * 257))
     raises(400, "prompt", completion_prompts, completion(prompt=""))
     raises(400, "prompt", completion_prompts, completion(prompt=[]))
 
