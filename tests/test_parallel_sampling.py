@@ -259,3 +259,26 @@ def test_forks_on_cuda_with_graphs(async_scheduling):
         [c.token_ids for c in o.outputs] for o in llm.generate(PROMPTS, seeded)
     ]
     _idle(llm)
+
+
+def test_token_events_give_one_delta_per_sequence_that_moved():
+    from pdserve.engine.outputs import CompletionOutput, RequestOutput
+    from pdserve.logprobs import TokenLogprobs
+    from pdserve.node.token_events import TokenEvents
+
+    def out(texts, finish=(None, None), prompt_logprobs=None):
+        outputs = [
+            CompletionOutput(j, t, list(range(len(t))), finish_reason=finish[j]) for j, t in enumerate(texts)
+        ]
+        return RequestOutput("g", None, [1, 2], outputs, all(finish), prompt_logprobs=prompt_logprobs)
+
+    lp = [None, TokenLogprobs(2, -1.0, 1, ())]
+    deltas = TokenEvents(hold=1)
+    first = deltas.events(out(["ab", ""], prompt_logprobs=lp))
+    assert [(e.index, e.text, e.token_ids) for e in first] == [(0, "a", [0, 1])]  # "b" held back
+    assert first[0].prompt_logprobs[1].logprob == -1.0
+    second = deltas.events(out(["abc", "x"], finish=("stop", None), prompt_logprobs=lp))
+    assert [(e.index, e.text, e.finish_reason) for e in second] == [(0, "bc", "stop"), (1, "", None)]
+    assert all(e.prompt_logprobs is None for e in second)  # sent once
+    last = deltas.events(out(["abc", "xy"], finish=("stop", "length")))
+    assert [(e.index, e.text, e.finish_reason) for e in last] == [(1, "xy", "length")]
