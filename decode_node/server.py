@@ -33,10 +33,8 @@ from pdserve.kv_transfer import ReservationTable
 from pdserve.kv_transfer.messages import KVCommit
 from pdserve.messages import (
     LandingDescriptor,
-    LogprobsMsg,
     ReserveRequest,
     StreamRequest,
-    TokenEvent,
 )
 from pdserve.node.channel import ChannelServer, Peer
 from pdserve.node.engine_loop import error_output
@@ -48,6 +46,7 @@ from pdserve.node.framework import (
     node_app,
     node_info,
 )
+from pdserve.node.token_events import TokenEvents
 from pdserve.prefill_node.server import PrefillService
 
 logger = logging.getLogger(__name__)
@@ -117,7 +116,9 @@ class DecodeService(NodeService):
         request the engine can never serve."""
         engine.validate_request(msg.request_id, msg.prompt_token_ids, msg.params)
         self.state.check_room()
-        if engine.blocks_for_tokens(len(msg.prompt_token_ids) + 1) > engine.num_free_blocks:
+        # The prompt, and a block of its own for each forked sequence (parallel sampling).
+        num_blocks = engine.blocks_for_tokens(len(msg.prompt_token_ids) + 1) + msg.params.num_sequences - 1
+        if num_blocks > engine.num_free_blocks:
             return False
         self.pending_local[msg.request_id] = (msg, deadline)
         self.state.track_deadline(msg.request_id, msg.deadline)
@@ -168,28 +169,6 @@ class DecodeService(NodeService):
 
     def add_calls(self, channel: ChannelServer) -> None:
         add_decode_calls(channel, self)
-
-
-def _event(out: RequestOutput, sent_tokens: int, sent_text: int, hold: int) -> tuple[TokenEvent, int, int]:
-    """The delta of ``out`` after what was sent; text near a possible stop string is held back."""
-    c = out.outputs[0]
-    visible = len(c.text) if out.finished else max(sent_text, len(c.text) - hold)
-    logprobs = None
-    if c.logprobs is not None:
-        logprobs = [LogprobsMsg.from_logprobs(lp) for lp in c.logprobs[sent_tokens:] if lp is not None]
-    error = c.stop_reason if c.finish_reason == "error" and isinstance(c.stop_reason, str) else ""
-    event = TokenEvent(
-        request_id=out.request_id,
-        token_ids=c.token_ids[sent_tokens:],
-        text=c.text[sent_text:visible],
-        logprobs=logprobs,
-        finish_reason=c.finish_reason,
-        stop_reason=None if error else c.stop_reason,
-        num_prompt_tokens=len(out.prompt_token_ids),
-        num_cached_tokens=out.num_cached_tokens,
-        error=error,
-    )
-    return event, len(c.token_ids), visible
 
 
 def create_app(engine_config: EngineConfig, node: NodeConfig) -> FastAPI:
@@ -252,11 +231,11 @@ def add_decode_calls(channel: ChannelServer, service: DecodeService) -> None:
         except asyncio.CancelledError:
             state.loop.submit(lambda e: state.end_request(rid, RequestStatus.FINISHED_ABORTED, "proxy gone"))
             raise
-        sent = [0, 0]  # tokens, characters of text
+
+        deltas = TokenEvents(hold)
 
         def sink(out: RequestOutput) -> None:
-            event, sent[0], sent[1] = _event(out, sent[0], sent[1], hold)
-            if event.token_ids or event.text or out.finished:
+            for event in deltas.events(out):
                 channel.add_event(peer, event)
             if out.finished:
                 peer.streams.discard(rid)

@@ -3,6 +3,7 @@ returns and the wire protocol carries (torch-free, like vLLM's ``vllm.logprobs``
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -14,3 +15,10 @@ class TokenLogprobs:
     logprob: float  # log_softmax of the unprocessed logits at token_id
     rank: int  # 1 + number of tokens with a strictly higher raw logprob (ties share the best rank)
     top: tuple[tuple[int, float], ...]  # top params.logprobs (token_id, logprob), descending
+
+
+def best_sequences(cumulative_logprobs: Sequence[float], n: int) -> list[int]:
+    """The indices of the ``n`` sequences of highest cumulative logprob, best first (``best_of``;
+    ties keep the lower index first)."""
+    order = sorted(range(len(cumulative_logprobs)), key=lambda i: (-cumulative_logprobs[i], i))
+    return order[:n]

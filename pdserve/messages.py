@@ -130,6 +130,7 @@ class PrefillResult(Message):
     ok: bool
     error: str = ""
     num_cached_tokens: int = 0
+    prompt_logprobs: list[LogprobsMsg | None] | None = None  # asked for by params.prompt_logprobs
 
 
 class AbortRequest(Message):
@@ -151,7 +152,12 @@ class LogprobsMsg(Message):
 
 
 class TokenEvent(Message):
-    """One step of a request's output as the decode node streams it."""
+    """One step of one sequence of a request's output as the decode node streams it.
+
+    A parallel-sampling request (``params.n``/``best_of`` > 1) streams its sequences interleaved,
+    told apart by ``index``; each ends with its own ``finish_reason``. The first event of a request
+    whose prompt the node computed carries the prompt logprobs when asked for.
+    """
 
     request_id: str
     token_ids: list[int]
@@ -162,6 +168,8 @@ class TokenEvent(Message):
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     error: str = ""
+    index: int = 0
+    prompt_logprobs: list[LogprobsMsg | None] | None = None
 
 
 # -- the request channel (one per proxy worker and node) -----------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 
@@ -62,6 +63,14 @@ class SamplingParams:
     ``frequency_penalty`` (OpenAI style, over output tokens). ``logprobs`` asks for the
     sampled token's log-probability plus that many top alternatives, taken from the raw
     model distribution.
+
+    Parallel sampling as in vLLM: ``n`` sequences from one prompt, or ``best_of`` of them of
+    which the ``n`` with the highest cumulative logprob are returned. The prompt is computed
+    once and its KV shared (``for_sequence`` gives each sequence's own parameters: sequence j
+    of a seeded request draws from ``seed + j``). ``logit_bias`` adds to the logits of the
+    token ids it names before sampling (OpenAI's range, [-100, 100]); ``prompt_logprobs``
+    asks for the logprob of every prompt token after the first, plus that many top
+    alternatives (such a prompt takes no prefix-cache hits: every position's logits count).
     """
 
     n: int = 1
@@ -81,6 +90,9 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    best_of: int | None = None
+    logit_bias: dict[int, float] | None = None
+    prompt_logprobs: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
     """Constrain the output to a JSON schema, regex, choice or grammar (a token bitmask each step)."""
 
@@ -95,11 +107,23 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in (self.stop_token_ids or ())))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
+        if self.logit_bias is not None:
+            bias = {int(t): float(b) for t, b in self.logit_bias.items()}
+            object.__setattr__(self, "logit_bias", bias or None)
         self._validate()
 
     def _validate(self) -> None:
-        if self.n != 1:
-            raise ValueError(f"n must be 1, got {self.n} (parallel sampling is not supported)")
+        if self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}")
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of must be greater than or equal to n ({self.n}), got {self.best_of}")
+        for token_id, bias in (self.logit_bias or {}).items():
+            if token_id < 0:
+                raise ValueError(f"logit_bias token id {token_id} is negative")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {token_id}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise ValueError(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
         if self.temperature < 0.0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -124,6 +148,34 @@ class SamplingParams:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences generated from the prompt: ``best_of`` when set, else ``n``."""
+        return self.best_of or self.n
+
+    @property
+    def ranks_sequences(self) -> bool:
+        """More sequences are generated than returned: they are ranked by cumulative logprob."""
+        return self.num_sequences > self.n
+
+    def for_sequence(self, index: int) -> SamplingParams:
+        """The parameters of sequence ``index`` of a parallel request: one sequence, seeded
+        ``seed + index``; its sampled tokens' logprobs are kept when sequences are ranked; only
+        sequence 0 computes the prompt, so only it asks for prompt logprobs."""
+        if self.num_sequences == 1:
+            return self
+        logprobs = self.logprobs
+        if logprobs is None and self.ranks_sequences:
+            logprobs = 0
+        return dataclasses.replace(
+            self,
+            n=1,
+            best_of=None,
+            seed=None if self.seed is None else (self.seed + index) % (1 << 64),
+            logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs if index == 0 else None,
+        )
 
     @property
     def greedy(self) -> bool:

@@ -59,6 +59,7 @@ from pdserve.node.framework import (
     NodeState,
     node_app,
 )
+from pdserve.node.token_events import logprobs_msgs
 from pdserve.utils import cdiv
 
 logger = logging.getLogger(__name__)
@@ -211,8 +212,9 @@ class PrefillService(NodeService):
         """Queue the prompt of a shipment ``open`` made; raises ``NodeRefused`` when the node's
         queue is full, ValueError for a request the engine can never serve."""
         self.state.check_room()
-        params = msg.params
-        # Only the first token is sampled here; stop strings are the decode node's concern.
+        # Only the first token (of the first sequence) is sampled here; stop strings and the other
+        # sequences of a parallel-sampling request are the decode node's concern.
+        params = msg.params.for_sequence(0)
         params = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1), stop=())
         engine.add_request(
             msg.request_id, None, params, prompt_token_ids=msg.prompt_token_ids, hold_blocks=True
@@ -422,6 +424,12 @@ def add_prefill_calls(channel: ChannelServer, service: PrefillService) -> None:
             # This handler is the slot's only reader: once it returns, nothing reads the slot, and a
             # slot left behind would hold the node's drain until it expires.
             state.loop.unsubscribe(rid)
-        return PrefillResult(request_id=rid, ok=True, num_cached_tokens=out.num_cached_tokens)
+        prompt_logprobs = None if out.prompt_logprobs is None else logprobs_msgs(out.prompt_logprobs)
+        return PrefillResult(
+            request_id=rid,
+            ok=True,
+            num_cached_tokens=out.num_cached_tokens,
+            prompt_logprobs=prompt_logprobs,
+        )
 
     channel.handle(PrefillRequest, prefill)

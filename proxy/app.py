@@ -41,6 +41,7 @@ from pdserve.config import ModelConfig
 from pdserve.messages import TokenEvent
 from pdserve.metrics import CONTENT_TYPE, LATENCY_BUCKETS, Registry
 from pdserve.model_source import resolve_model
+from pdserve.proxy.batch import GenerationBatch
 from pdserve.proxy.config import ProxyConfig
 from pdserve.proxy.dispatch import Dispatcher, Generation
 from pdserve.proxy.node_client import make_http_client
@@ -55,9 +56,9 @@ from pdserve.proxy.protocol import (
     chat_messages,
     check_model,
     check_token_ids,
+    completion_prompts,
     error_body,
     sampling_params,
-    single_prompt,
     structured_outputs,
 )
 from pdserve.proxy.responses import SSE_DONE, ChatBuilder, CompletionBuilder, TokenStrings, sse
@@ -449,10 +450,10 @@ class Proxy:
 
     # -- request handling --------------------------------------------------------------------
 
-    def _prompt(
+    def _prompts(
         self, body: CompletionRequest | ChatCompletionRequest, tools: ToolPlan | None = None
-    ) -> tuple[list[int], str]:
-        """Token ids of the prompt, and the text echo=true puts in front of the output."""
+    ) -> list[tuple[list[int], str]]:
+        """Token ids of each prompt, and the text echo=true puts in front of its outputs."""
         tok = self.tokenizer
         if isinstance(body, ChatCompletionRequest):
             messages = chat_messages(body)
@@ -464,8 +465,11 @@ class Proxy:
                 )
             except Exception as exc:  # jinja errors: roles that do not alternate, and the like
                 raise bad_request(f"the chat template failed: {exc}", "messages") from None
-            return tok.encode(text, add_special_tokens=False), ""
-        prompt = single_prompt(body)
+            return [(tok.encode(text, add_special_tokens=False), "")]
+        return [self._completion_prompt(prompt, body.echo) for prompt in completion_prompts(body)]
+
+    def _completion_prompt(self, prompt: str | list[int], echo: bool) -> tuple[list[int], str]:
+        tok = self.tokenizer
         if isinstance(prompt, str):
             if tok is None:
                 raise bad_request(
@@ -474,10 +478,10 @@ class Proxy:
             ids = tok.encode(prompt, add_special_tokens=True)
             if not ids:
                 raise bad_request("the prompt is empty", "prompt")
-            return ids, prompt if body.echo else ""
+            return ids, prompt if echo else ""
         check_token_ids(prompt, self.router.vocab_size)
-        echo = tok.decode(prompt) if body.echo and tok is not None else ""
-        return list(prompt), echo
+        text = tok.decode(prompt) if echo and tok is not None else ""
+        return list(prompt), text
 
     async def generate(self, body: CompletionRequest | ChatCompletionRequest, request: Request) -> Response:
         arrival = time.monotonic()
@@ -496,46 +500,66 @@ class Proxy:
                     )
                 constraint = tools.constraint
             if _num_text_chars(body) > THREAD_TOKENIZE_CHARS:
-                prompt_ids, echo_text = await asyncio.to_thread(self._prompt, body, tools)
+                prompts = await asyncio.to_thread(self._prompts, body, tools)
             else:
-                prompt_ids, echo_text = self._prompt(body, tools)
-            params = sampling_params(
-                body, len(prompt_ids), self.router.max_model_len, self.config.default_max_tokens, constraint
-            )
-            check_token_ids(params.stop_token_ids, self.router.vocab_size, "stop_token_ids")
+                prompts = self._prompts(body, tools)
+            max_len, default_max = self.router.max_model_len, self.config.default_max_tokens
+            params = [sampling_params(body, len(ids), max_len, default_max, constraint) for ids, _ in prompts]
+            vocab = self.router.vocab_size
+            check_token_ids(params[0].stop_token_ids, vocab, "stop_token_ids")
+            check_token_ids(list(params[0].logit_bias or ()), vocab, "logit_bias")
         except ProxyError as exc:
             timing.done(exc.status)
             return error_response(exc)
         request_id = uuid.uuid4().hex
+        first = params[0]
         kwargs: dict[str, Any] = dict(
             stream=body.stream,
             include_usage=body.include_usage,
-            logprobs=params.logprobs,
+            logprobs=first.logprobs,
             token_strings=self.token_strings,
+            n=first.n,
+            num_sequences=first.num_sequences,
+            num_prompts=len(prompts),
         )
+        num_prompt_tokens = sum(len(ids) for ids, _ in prompts)
         if chat:
             if tools is not None and tools.mode != "none":
                 kwargs["tools"] = tools
             builder = ChatBuilder(
-                f"chatcmpl-{request_id}", model, int(time.time()), len(prompt_ids), **kwargs
+                f"chatcmpl-{request_id}", model, int(time.time()), num_prompt_tokens, **kwargs
             )
         else:
             builder = CompletionBuilder(
-                f"cmpl-{request_id}", model, int(time.time()), len(prompt_ids), echo_text=echo_text, **kwargs
+                f"cmpl-{request_id}",
+                model,
+                int(time.time()),
+                num_prompt_tokens,
+                echo_texts=[echo for _, echo in prompts],
+                prompt_token_ids=None if first.prompt_logprobs is None else [ids for ids, _ in prompts],
+                **kwargs,
             )
-        gen = self.dispatcher.start(request_id, prompt_ids, params, arrival + self.config.request_timeout_s)
+        deadline = arrival + self.config.request_timeout_s
+        if len(prompts) == 1:
+            gen = self.dispatcher.start(request_id, prompts[0][0], first, deadline)
+        else:
+            gens = [
+                self.dispatcher.start(f"{request_id}-{i}", ids, p, deadline)
+                for i, ((ids, _), p) in enumerate(zip(prompts, params))
+            ]
+            gen = GenerationBatch(request_id, gens, first.num_sequences)
         headers = {"x-request-id": request_id}
         try:
             if body.stream:
                 # Wait for the first token before answering, so that everything that can fail
                 # before it (capacity, the prefill) still gets a proper HTTP status.
-                first = await until_disconnected(gen.next(), request.receive)
+                first_event = await until_disconnected(gen.next(), request.receive)
 
                 def on_close() -> None:
                     gen.cancel()
                     timing.done(CLIENT_GONE, builder)  # no-op unless the body never ran
 
-                return EventStream(self._stream(gen, builder, timing, first), headers, on_close)
+                return EventStream(self._stream(gen, builder, timing, first_event), headers, on_close)
             await until_disconnected(self._collect(gen, builder, timing), request.receive)
         except ClientGone:
             gen.cancel()
@@ -553,11 +577,13 @@ class Proxy:
         return Response(builder.response().model_dump_json(), media_type="application/json", headers=headers)
 
     @staticmethod
-    def _fill_cached(gen: Generation, builder) -> None:
+    def _fill_cached(gen: Generation | GenerationBatch, builder) -> None:
         # The decode node reports cached tokens on its events; the prefill node's own count
         # stands in if an event stream carried none.
-        if gen.prefill_result is not None:
-            builder.num_cached_tokens = max(builder.num_cached_tokens, gen.prefill_result.num_cached_tokens)
+        generations = gen.generations if isinstance(gen, GenerationBatch) else [gen]
+        for prompt, g in enumerate(generations):
+            if g.prefill_result is not None:
+                builder.note_cached(prompt, g.prefill_result.num_cached_tokens)
 
     async def _collect(self, gen: Generation, builder, timing: _Timing) -> None:
         while (event := await gen.next()) is not None:

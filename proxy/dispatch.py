@@ -215,6 +215,7 @@ class Generation:
         self.prefill_result: PrefillResult | None = None
         self.finished = False  # the decode node sent the final event
         self._prefill_pending = False  # a prefill call was sent and not answered
+        self._prefill_task: asyncio.Future | None = None  # this attempt's prefill call
         self._prefill_settled = False  # the prefill call was handed to ``_generate``, which settles it
         self._queue: asyncio.Queue[TokenEvent | ProxyError | None] = asyncio.Queue()
         self._task = asyncio.ensure_future(self._run())
@@ -254,6 +255,10 @@ class Generation:
                 await self._attempt()
                 return
             except NodeDied as exc:
+                if self.emitted and self.params.num_sequences > 1:  # several sequences cannot resume
+                    raise ProxyError(
+                        503, f"{exc}; the request's sequences cannot move to other nodes"
+                    ) from None
                 limit = self.params.max_tokens
                 if limit is not None and len(self.emitted) >= limit:  # died after the last token
                     self.finished = True
@@ -315,6 +320,7 @@ class Generation:
         self.decode_node = decode
         rid = self.node_request_id
         prefill = None if landing.local_prefill else asyncio.ensure_future(self._prefill(route, landing))
+        self._prefill_task = prefill
         try:
             try:
                 async with decode.client.stream(StreamRequest(rid)) as events:
@@ -367,6 +373,8 @@ class Generation:
 
     async def _relay(self, events) -> None:
         decode = self.decode_node
+        num_open = self.params.num_sequences  # each sequence ends with an event of its own
+        first = True
         async for event in events:
             if event.error or event.finish_reason in ("abort", "error"):
                 reason = event.error or f"finish_reason {event.finish_reason}"
@@ -383,9 +391,16 @@ class Generation:
                     num_prompt_tokens=n,
                     num_cached_tokens=min(event.num_cached_tokens, n),
                 )
+            if first and self.params.prompt_logprobs is not None and self._prefill_task is not None:
+                # The prefill node computed the prompt, and its logprobs come with its result.
+                result = await asyncio.shield(self._prefill_task)
+                event = msgspec.structs.replace(event, prompt_logprobs=result.prompt_logprobs)
+            first = False
             self.emitted.extend(event.token_ids)
             self._queue.put_nowait(event)
             if event.finish_reason is not None:
+                num_open -= 1
+            if not num_open:
                 self.finished = True
                 self._queue.put_nowait(None)  # the caller need not wait for the cleanup below
                 return

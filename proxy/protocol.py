@@ -7,8 +7,10 @@ Field names and defaults follow OpenAI and vLLM (whose extensions ``top_k``, ``m
 ``structured_outputs`` are kept). Structured output (``response_format`` or ``structured_outputs``)
 is checked here for shape only; whether a schema, regex or grammar compiles is the node's call
 (xgrammar imports torch, which the proxy never does), relayed as a 400. Tool calling lives in
-``proxy/tools.py``. Unknown request fields are ignored, as OpenAI does. Anything we cannot
-honour (n > 1, logit_bias, functions, images, batched prompts) is a 400, never silently dropped. So is
+``proxy/tools.py``. Unknown request fields are ignored, as OpenAI does. ``n``, ``best_of``
+(completions; not with ``stream``, as in OpenAI and vLLM), ``logit_bias``, ``echo`` with
+``logprobs`` (prompt logprobs) and a list of prompts on /v1/completions are served. Anything we
+cannot honour (functions, images, ``suffix``) is a 400, never silently dropped. So is
 what would fail further on: NaN or infinite numbers, integers a node message cannot carry (64
 bits), text that is not valid Unicode (lone surrogates such as ``"\\ud800"``, which JSON can
 spell but UTF-8 cannot), roles that OpenAI does not define.
@@ -227,19 +229,31 @@ def check_model(requested: str | None, served: tuple[str, ...]) -> str:
     raise ProxyError(404, f"The model `{requested}` does not exist.", param="model", code="model_not_found")
 
 
-def single_prompt(request: CompletionRequest) -> str | list[int]:
-    """The one prompt of a completion request, as text or token ids."""
+MAX_SEQUENCES = 128
+"""The most sequences one prompt may ask for (``n``, ``best_of``), OpenAI's bound on ``n``."""
+
+
+MAX_PROMPTS = 256
+"""The most prompts one completion request may hold: each becomes a request of its own."""
+
+
+def completion_prompts(request: CompletionRequest) -> list[str | list[int]]:
+    """The prompts of a completion request, each as text or token ids (one, or a list of them)."""
     prompt = request.prompt
-    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-        if len(prompt) != 1:
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        prompts = [prompt]
+    else:
+        prompts = list(prompt)
+    if not prompts:
+        raise bad_request("the prompt list is empty", "prompt")
+    if len(prompts) > MAX_PROMPTS:
+        raise bad_request(f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}", "prompt")
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
             raise bad_request(
-                f"batched prompts are not supported: got {len(prompt)} prompts, send one per request",
-                "prompt",
+                "the prompt is empty" if len(prompts) == 1 else f"prompt {i} is empty", "prompt"
             )
-        prompt = prompt[0]
-    if len(prompt) == 0:
-        raise bad_request("the prompt is empty", "prompt")
-    return prompt
+    return prompts
 
 
 def check_token_ids(token_ids: list[int], vocab_size: int, param: str = "prompt") -> None:
@@ -362,12 +376,13 @@ def sampling_params(
     ``max_tokens`` absent (chat) or null fills the rest of the context, capped at
     ``default_max_tokens``; an explicit value that does not fit is a 400, as in vLLM.
     """
-    if request.n != 1:
-        raise bad_request(f"n must be 1, got {request.n} (parallel sampling is not supported)", "n")
+    if not 1 <= request.n <= MAX_SEQUENCES:
+        raise bad_request(f"n must be between 1 and {MAX_SEQUENCES}, got {request.n}", "n")
     if request.stream_options is not None and not request.stream:
         raise bad_request("stream_options can only be set when stream is true", "stream_options")
-    if request.logit_bias:
-        raise bad_request("logit_bias is not supported", "logit_bias")
+    logit_bias = _logit_bias(request.logit_bias)
+    best_of = None
+    prompt_logprobs = None
     if isinstance(request, ChatCompletionRequest):
         max_tokens = request.max_completion_tokens
         if max_tokens is None:
@@ -377,15 +392,23 @@ def sampling_params(
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
     else:
-        if request.best_of not in (None, 1):
-            raise bad_request(f"best_of must be 1, got {request.best_of}", "best_of")
+        best_of = request.best_of
+        if best_of is not None:
+            if not request.n <= best_of <= MAX_SEQUENCES:
+                raise bad_request(
+                    f"best_of must be between n ({request.n}) and {MAX_SEQUENCES}, got {best_of}", "best_of"
+                )
+            if request.stream and best_of > request.n:
+                raise bad_request(
+                    "best_of is not supported with stream: it ranks finished sequences", "best_of"
+                )
         if request.suffix:
             raise bad_request("suffix is not supported", "suffix")
-        if request.echo and request.logprobs is not None:
-            raise bad_request("echo with logprobs is not supported (no prompt logprobs)", "echo")
         max_tokens = request.max_tokens
         param = "max_tokens"
         logprobs = request.logprobs
+        if request.echo and logprobs is not None:
+            prompt_logprobs = logprobs  # the echoed prompt's tokens come with theirs
 
     if num_prompt_tokens >= max_model_len:
         raise ProxyError(
@@ -415,7 +438,10 @@ def sampling_params(
 
     try:
         return SamplingParams(
-            n=1,
+            n=request.n,
+            best_of=best_of,
+            logit_bias=logit_bias,
+            prompt_logprobs=prompt_logprobs,
             temperature=pick(request.temperature, 1.0),
             top_p=pick(request.top_p, 1.0),
             top_k=pick(request.top_k, 0),
@@ -442,6 +468,26 @@ def sampling_params(
             name = "top_logprobs"
             message = message.replace("logprobs", "top_logprobs", 1)
         raise bad_request(message, name) from None
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's ``logit_bias``: token ids (as JSON object keys) -> a bias in [-100, 100]."""
+    if not bias:
+        return None
+    out = {}
+    for key, value in bias.items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
+        if token_id < 0 or token_id >= 2**63:
+            raise bad_request(f"logit_bias token id {token_id} is outside the vocabulary", "logit_bias")
+        if not -100.0 <= value <= 100.0:
+            raise bad_request(
+                f"logit_bias values must be in [-100, 100], got {value} for token {token_id}", "logit_bias"
+            )
+        out[token_id] = value
+    return out
 
 
 # -- responses -----------------------------------------------------------------------------

@@ -3,10 +3,12 @@
 One builder per request accumulates text, token counts, cached tokens and logprobs. In
 streaming mode ``add`` returns the SSE bytes for each event; ``finish`` returns the closing
 chunks (the usage chunk with ``choices: []`` when asked for, then ``[DONE]``); otherwise
-``response`` builds the whole body at the end. Chat streams open with a chunk whose delta
-is ``{"role": "assistant", "content": ""}``; the chunk of the last token carries
-``finish_reason``, as in OpenAI and vLLM. A chat request with tools turns its output into
-``tool_calls`` (``proxy/tools.py``), streamed as ``delta.tool_calls``.
+``response`` builds the whole body at the end. Chat streams open with a chunk per choice whose
+delta is ``{"role": "assistant", "content": ""}``; the chunk of a choice's last token carries
+its ``finish_reason``, as in OpenAI and vLLM. Several choices (``n``, ``best_of``, several
+prompts) are kept apart by ``TokenEvent.index`` (see ``_Builder``). A chat request with tools
+turns each choice's output into ``tool_calls`` (``proxy/tools.py``), streamed as
+``delta.tool_calls``.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 import msgspec
 from pydantic import BaseModel
 
+from pdserve.logprobs import best_sequences
 from pdserve.messages import LogprobsMsg, TokenEvent
 from pdserve.proxy.protocol import (
     AssistantMessage,
@@ -128,8 +131,43 @@ def _clamp(logprob: float) -> float:
     return max(logprob, _MIN_LOGPROB)
 
 
+class _Choice:
+    """One sequence's output as it accumulates (``TokenEvent.index``, counted across prompts)."""
+
+    __slots__ = (
+        "text_parts",
+        "finish_reason",
+        "stop_reason",
+        "cumulative_logprob",
+        "logprobs",
+        "started",
+        "offset",
+    )
+
+    def __init__(self, logprobs) -> None:
+        self.text_parts: list[str] = []
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.cumulative_logprob = 0.0
+        self.logprobs = logprobs  # the endpoint's accumulated logprobs, None when not asked for
+        self.started = False  # its first event came (the echo and prompt logprobs went first)
+        self.offset = 0  # completions: where the next token starts in the choice's text
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_parts)
+
+
 class _Builder:
-    """What both endpoints accumulate; subclasses format."""
+    """What both endpoints accumulate; subclasses format.
+
+    A request has ``num_prompts`` prompts (several only on /v1/completions), each generating
+    ``num_sequences`` sequences (``best_of``, else ``n``) of which ``n`` are returned: event index
+    ``g`` is sequence ``g % num_sequences`` of prompt ``g // num_sequences``, and the choice of the
+    r-th returned sequence of prompt p has index ``p * n + r`` (OpenAI's order). Streaming
+    returns every sequence (best_of is refused there), so a chunk's index is its event's.
+    ``num_prompt_tokens`` is the sum over the prompts; usage counts every generated token.
+    """
 
     def __init__(
         self,
@@ -142,6 +180,9 @@ class _Builder:
         include_usage: bool = False,
         logprobs: int | None = None,
         token_strings: TokenStrings | None = None,
+        n: int = 1,
+        num_sequences: int = 0,
+        num_prompts: int = 1,
     ) -> None:
         self.id = response_id
         self.model = model
@@ -151,27 +192,67 @@ class _Builder:
         self.include_usage = include_usage
         self.num_logprobs = logprobs
         self.strings = token_strings or TokenStrings(None)
+        self.n = n
+        self.num_sequences = num_sequences or n
+        self.num_prompts = num_prompts
         self.num_output_tokens = 0
-        self.num_cached_tokens = 0
-        self.finish_reason: str | None = None
-        self.stop_reason: int | str | None = None
-        self.text_parts: list[str] = []
+        self.cached = [0] * num_prompts  # cached prompt tokens, per prompt
+        self.prompt_logprobs: list[list[LogprobsMsg | None] | None] = [None] * num_prompts
+        self.choices: dict[int, _Choice] = {}
 
     @property
-    def text(self) -> str:
-        return "".join(self.text_parts)
+    def num_cached_tokens(self) -> int:
+        return sum(self.cached)
+
+    def note_cached(self, prompt: int, num_cached_tokens: int) -> None:
+        """A prompt's cached tokens as another source reports them (the largest report counts)."""
+        self.cached[prompt] = max(self.cached[prompt], num_cached_tokens)
 
     def usage(self) -> Usage:
         return make_usage(self.num_prompt_tokens, self.num_output_tokens, self.num_cached_tokens)
 
-    def _account(self, event: TokenEvent) -> None:
+    def _new_logprobs(self):
+        return None
+
+    def _choice(self, index: int) -> _Choice:
+        choice = self.choices.get(index)
+        if choice is None:
+            choice = self.choices[index] = _Choice(self._new_logprobs())
+        return choice
+
+    def _account(self, event: TokenEvent) -> _Choice:
+        choice = self._choice(event.index)
         self.num_output_tokens += len(event.token_ids)
-        self.num_cached_tokens = max(self.num_cached_tokens, event.num_cached_tokens)
+        prompt = event.index // self.num_sequences
+        if event.num_cached_tokens > self.cached[prompt]:
+            self.cached[prompt] = event.num_cached_tokens
+        if event.prompt_logprobs is not None and self.prompt_logprobs[prompt] is None:
+            self.prompt_logprobs[prompt] = event.prompt_logprobs
         if event.finish_reason is not None:
-            self.finish_reason = event.finish_reason
-            self.stop_reason = event.stop_reason
+            choice.finish_reason = event.finish_reason
+            choice.stop_reason = event.stop_reason
+        if self.num_sequences > self.n and event.logprobs:
+            choice.cumulative_logprob += sum(lp.logprob for lp in event.logprobs)
         if not self.stream:
-            self.text_parts.append(event.text)
+            choice.text_parts.append(event.text)
+        return choice
+
+    def returned(self) -> list[tuple[int, int, _Choice]]:
+        """(choice index, event index, choice) of what the response returns, in choice order:
+        with ``best_of``, each prompt's ``n`` sequences of highest cumulative logprob, best first."""
+        out = []
+        size = self.num_sequences
+        for prompt in range(self.num_prompts):
+            indices = list(range(prompt * size, (prompt + 1) * size))
+            if size > self.n:
+                cumulative = [
+                    self.choices[g].cumulative_logprob if g in self.choices else float("-inf")
+                    for g in indices
+                ]
+                indices = [indices[i] for i in best_sequences(cumulative, self.n)]
+            for rank, g in enumerate(indices):
+                out.append((prompt * self.n + rank, g, self._choice(g)))
+        return out
 
     def start(self) -> list[bytes]:
         """SSE bytes sent before the first event."""
@@ -186,21 +267,63 @@ class _Builder:
 
 
 class CompletionBuilder(_Builder):
-    """``/v1/completions``; ``echo_text`` is prepended to the output (echo=true)."""
+    """``/v1/completions``; ``echo_texts`` (one per prompt, or ``echo_text`` for the one prompt) are
+    prepended to each choice's text (echo=true); with logprobs too, ``prompt_token_ids`` (one list
+    per prompt) name the prompt tokens whose logprobs come first (OpenAI: the first has none)."""
 
-    def __init__(self, *args, echo_text: str = "", **kwargs) -> None:
+    def __init__(
+        self,
+        *args,
+        echo_text: str = "",
+        echo_texts: list[str] | None = None,
+        prompt_token_ids: list[list[int]] | None = None,
+        **kwargs,
+    ) -> None:
         super().__init__(*args, **kwargs)
         # Chunks without logprobs are spliced from bytes (a few µs instead of ~35 through
         # pydantic); they serialize exactly as CompletionResponse would.
         self._head = (
-            b'data: {"id":%b,"object":"text_completion","created":%d,"model":%b,"choices":[{"index":0,"text":'
-            % (_json(self.id), self.created, _json(self.model))
+            b'data: {"id":%b,"object":"text_completion","created":%d,"model":%b,"choices":[{"index":'
+            % (
+                _json(self.id),
+                self.created,
+                _json(self.model),
+            )
         )
-        self.echo_text = echo_text
-        self.text_offset = len(echo_text)
-        self.logprobs: CompletionLogprobs | None = None if self.num_logprobs is None else CompletionLogprobs()
+        self.echo_texts = echo_texts if echo_texts is not None else [echo_text] * self.num_prompts
+        self.prompt_token_ids = prompt_token_ids
 
-    def _logprobs(self, entries: list[LogprobsMsg] | None, into: CompletionLogprobs) -> None:
+    def _new_logprobs(self):
+        return None if self.num_logprobs is None else CompletionLogprobs()
+
+    def _start(self, index: int, choice: _Choice, into: CompletionLogprobs | None) -> str:
+        """Sequence ``index``'s first event: its echoed prompt, whose logprobs go into ``into``."""
+        choice.started = True
+        prompt = index // self.num_sequences
+        if into is not None and self.prompt_token_ids is not None:
+            self._prompt_logprobs(self.prompt_token_ids[prompt], self.prompt_logprobs[prompt] or [], into)
+        echo = self.echo_texts[prompt]
+        choice.offset = len(echo)
+        return echo
+
+    def _prompt_logprobs(self, token_ids: list[int], entries: list, into: CompletionLogprobs) -> None:
+        offset = 0
+        for i, token_id in enumerate(token_ids):
+            lp = entries[i] if i < len(entries) else None
+            token = self.strings.string(token_id)
+            into.tokens.append(token)
+            into.text_offset.append(offset)
+            offset += len(token)
+            if lp is None:
+                into.token_logprobs.append(None)
+                into.top_logprobs.append(None)
+                continue
+            top = {self.strings.string(t): _clamp(v) for t, v in lp.top[: self.num_logprobs]}
+            top.setdefault(token, _clamp(lp.logprob))
+            into.token_logprobs.append(_clamp(lp.logprob))
+            into.top_logprobs.append(top)
+
+    def _logprobs(self, entries: list[LogprobsMsg] | None, into: CompletionLogprobs, choice: _Choice) -> None:
         for lp in entries or ():
             token = self.strings.string(lp.token_id)
             top = {}
@@ -210,31 +333,38 @@ class CompletionBuilder(_Builder):
             into.tokens.append(token)
             into.token_logprobs.append(_clamp(lp.logprob))
             into.top_logprobs.append(top)
-            into.text_offset.append(self.text_offset)
-            self.text_offset += len(token)
+            into.text_offset.append(choice.offset)
+            choice.offset += len(token)
 
     def add(self, event: TokenEvent) -> bytes | None:
-        self._account(event)
+        choice = self._account(event)
         if not self.stream:
-            if self.logprobs is not None:
-                self._logprobs(event.logprobs, self.logprobs)
+            if choice.logprobs is not None:
+                if not choice.started:
+                    self._start(event.index, choice, choice.logprobs)
+                self._logprobs(event.logprobs, choice.logprobs, choice)
             return None
-        logprobs = None
-        if self.num_logprobs is not None:
-            logprobs = CompletionLogprobs()
-            self._logprobs(event.logprobs, logprobs)
+        logprobs = None if self.num_logprobs is None else CompletionLogprobs()
         text = event.text
-        if self.echo_text:
-            text, self.echo_text = self.echo_text + text, ""
+        if not choice.started:
+            text = self._start(event.index, choice, logprobs) + text
+        if logprobs is not None:
+            self._logprobs(event.logprobs, logprobs, choice)
         if not text and not event.token_ids and event.finish_reason is None:
             return None  # nothing new (as vLLM: a token that completes no character still streams)
         if logprobs is None:
             tail = b',"logprobs":null,"finish_reason":%b,"stop_reason":%b}],"system_fingerprint":null}\n\n'
-            return self._head + _json(text) + tail % _finish(event)
-        choice = CompletionChoice(
-            text=text, logprobs=logprobs, finish_reason=event.finish_reason, stop_reason=event.stop_reason
+            return self._head + b'%d,"text":' % event.index + _json(text) + tail % _finish(event)
+        completion = CompletionChoice(
+            index=event.index,
+            text=text,
+            logprobs=logprobs,
+            finish_reason=event.finish_reason,
+            stop_reason=event.stop_reason,
         )
-        return sse(CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[choice]))
+        return sse(
+            CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[completion])
+        )
 
     def finish(self) -> list[bytes]:
         out = []
@@ -247,14 +377,23 @@ class CompletionBuilder(_Builder):
         return out
 
     def response(self) -> CompletionResponse:
-        choice = CompletionChoice(
-            text=self.echo_text + self.text,
-            logprobs=self.logprobs,
-            finish_reason=self.finish_reason,
-            stop_reason=self.stop_reason,
-        )
+        choices = []
+        for index, g, choice in self.returned():
+            echo = self.echo_texts[g // self.num_sequences]
+            logprobs = choice.logprobs
+            if logprobs is not None and not choice.started:  # no event came: the echo alone
+                self._start(g, choice, logprobs)
+            choices.append(
+                CompletionChoice(
+                    index=index,
+                    text=echo + choice.text,
+                    logprobs=logprobs,
+                    finish_reason=choice.finish_reason,
+                    stop_reason=choice.stop_reason,
+                )
+            )
         return CompletionResponse(
-            id=self.id, created=self.created, model=self.model, choices=[choice], usage=self.usage()
+            id=self.id, created=self.created, model=self.model, choices=choices, usage=self.usage()
         )
 
 
@@ -264,13 +403,19 @@ class ChatBuilder(_Builder):
     def __init__(self, *args, tools: ToolPlan | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.tools = tools
-        self.tool_stream = ToolCallStream(tools) if tools is not None and self.stream else None
-        self.logprob_entries: list[ChatLogprob] | None = None if self.num_logprobs is None else []
+        self.tool_streams: dict[int, ToolCallStream] = {}  # choice index -> its calls so far (streams)
         # Chunks without logprobs are spliced from bytes, as in CompletionBuilder.
         self._head = (
-            b'data: {"id":%b,"object":"chat.completion.chunk","created":%d,"model":%b,'
-            b'"choices":[{"index":0,"delta":{"content":' % (_json(self.id), self.created, _json(self.model))
+            b'data: {"id":%b,"object":"chat.completion.chunk","created":%d,"model":%b,"choices":[{"index":'
+            % (
+                _json(self.id),
+                self.created,
+                _json(self.model),
+            )
         )
+
+    def _new_logprobs(self):
+        return None if self.num_logprobs is None else []
 
     def _logprobs(self, entries: list[LogprobsMsg] | None) -> list[ChatLogprob]:
         out = []
@@ -298,37 +443,50 @@ class ChatBuilder(_Builder):
         )
 
     def start(self) -> list[bytes]:
-        return [self._chunk([ChatChunkChoice(delta=Delta(role="assistant", content=""))])]
+        """One chunk per choice opens it with the assistant's role, as vLLM sends them."""
+        return [
+            self._chunk([ChatChunkChoice(index=index, delta=Delta(role="assistant", content=""))])
+            for index in range(self.num_prompts * self.n)
+        ]
 
     def add(self, event: TokenEvent) -> bytes | None:
-        self._account(event)
+        choice = self._account(event)
         if not self.stream:
-            if self.logprob_entries is not None:
-                self.logprob_entries.extend(self._logprobs(event.logprobs))
+            if choice.logprobs is not None:
+                choice.logprobs.extend(self._logprobs(event.logprobs))
             return None
         logprobs = None
         if self.num_logprobs is not None:
             logprobs = ChatChoiceLogprobs(content=self._logprobs(event.logprobs))
-        if self.tool_stream is not None:
+        if self.tools is not None:
             return self._tool_chunk(event, logprobs)
         if not event.text and not event.token_ids and event.finish_reason is None:
             return None  # nothing new (as vLLM: a token that completes no character still streams)
         if logprobs is None:
             tail = b'},"logprobs":null,"finish_reason":%b,"stop_reason":%b}]}\n\n'
-            return self._head + _json(event.text) + tail % _finish(event)
-        choice = ChatChunkChoice(
+            return (
+                self._head
+                + b'%d,"delta":{"content":' % event.index
+                + _json(event.text)
+                + tail % _finish(event)
+            )
+        chunk = ChatChunkChoice(
+            index=event.index,
             delta=Delta(content=event.text),
             logprobs=logprobs,
             finish_reason=event.finish_reason,
             stop_reason=event.stop_reason,
         )
-        return self._chunk([choice])
+        return self._chunk([chunk])
 
     def _tool_chunk(self, event: TokenEvent, logprobs: ChatChoiceLogprobs | None) -> bytes | None:
         final = event.finish_reason is not None
-        content, calls = self.tool_stream.feed(event.text, final)
+        stream = self.tool_streams.get(event.index)
+        if stream is None:
+            stream = self.tool_streams[event.index] = ToolCallStream(self.tools)
+        content, calls = stream.feed(event.text, final)
         finish_reason = event.finish_reason
-        if final and self.tool_stream.calls_sent and finish_reason == "stop":
+        if final and stream.calls_sent and finish_reason == "stop":
             finish_reason = "tool_calls"
         if not content and not calls and not final and not (logprobs and logprobs.content):
             return None
@@ -337,7 +495,11 @@ class ChatBuilder(_Builder):
             tool_calls=[DeltaToolCall.model_validate(c) for c in calls] or None,
         )
         choice = ChatChunkChoice(
-            delta=delta, logprobs=logprobs, finish_reason=finish_reason, stop_reason=event.stop_reason
+            index=event.index,
+            delta=delta,
+            logprobs=logprobs,
+            finish_reason=finish_reason,
+            stop_reason=event.stop_reason,
         )
         return self._chunk([choice])
 
@@ -349,24 +511,26 @@ class ChatBuilder(_Builder):
         return out
 
     def response(self) -> ChatCompletionResponse:
-        logprobs = None
-        if self.logprob_entries is not None:
-            logprobs = ChatChoiceLogprobs(content=self.logprob_entries)
-        message = AssistantMessage(content=self.text)
-        finish_reason = self.finish_reason
-        if self.tools is not None:
-            content, calls = self.tools.parse(self.text)
-            if calls:
-                tool_calls = [ToolCall(id=new_call_id(), function=FunctionCall(**vars(c))) for c in calls]
-                message = AssistantMessage(content=content, tool_calls=tool_calls)
-                if finish_reason == "stop":
-                    finish_reason = "tool_calls"
-        choice = ChatChoice(
-            message=message,
-            logprobs=logprobs,
-            finish_reason=finish_reason,
-            stop_reason=self.stop_reason,
-        )
+        choices = []
+        for index, _, choice in self.returned():
+            message = AssistantMessage(content=choice.text)
+            finish_reason = choice.finish_reason
+            if self.tools is not None:
+                content, calls = self.tools.parse(choice.text)
+                if calls:
+                    tool_calls = [ToolCall(id=new_call_id(), function=FunctionCall(**vars(c))) for c in calls]
+                    message = AssistantMessage(content=content, tool_calls=tool_calls)
+                    if finish_reason == "stop":
+                        finish_reason = "tool_calls"
+            choices.append(
+                ChatChoice(
+                    index=index,
+                    message=message,
+                    logprobs=None if choice.logprobs is None else ChatChoiceLogprobs(content=choice.logprobs),
+                    finish_reason=finish_reason,
+                    stop_reason=choice.stop_reason,
+                )
+            )
         return ChatCompletionResponse(
-            id=self.id, created=self.created, model=self.model, choices=[choice], usage=self.usage()
+            id=self.id, created=self.created, model=self.model, choices=choices, usage=self.usage()
         )

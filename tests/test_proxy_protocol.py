@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import msgspec
 import pytest
 
 from pdserve.messages import LogprobsMsg, TokenEvent
@@ -14,10 +15,9 @@ from pdserve.proxy.protocol import (
     ProxyError,
     chat_messages,
     check_model,
-    check_token_ids,
+    completion_prompts,
     error_body,
     sampling_params,
-    single_prompt,
 )
 from pdserve.proxy.responses import SSE_DONE, ChatBuilder, CompletionBuilder, TokenStrings, sse
 
@@ -122,11 +122,14 @@ def test_context_length():
 @pytest.mark.parametrize(
     "request_, param",
     [
-        (chat(n=2), "n"),
-        (completion(best_of=2), "best_of"),
+        (chat(n=0), "n"),
+        (chat(n=129), "n"),
+        (completion(n=2, best_of=1), "best_of"),
+        (completion(best_of=2, stream=True), "best_of"),
         (completion(suffix="x"), "suffix"),
-        (completion(echo=True, logprobs=1), "echo"),
-        (chat(logit_bias={"1": 5.0}), "logit_bias"),
+        (chat(logit_bias={"1": 100.5}), "logit_bias"),
+        (chat(logit_bias={"-1": 5.0}), "logit_bias"),
+        (chat(logit_bias={"x": 5.0}), "logit_bias"),
         (chat(stream_options={"include_usage": True}), "stream_options"),
         (chat(temperature=-0.5), "temperature"),
         (chat(top_p=0.0), "top_p"),
@@ -164,19 +167,29 @@ def test_check_model():
     assert e.code == "model_not_found" and "`gpt-4`" in e.message
 
 
-def test_single_prompt_forms():
-    assert single_prompt(completion(prompt="abc")) == "abc"
-    assert single_prompt(completion(prompt=["abc"])) == "abc"
-    assert single_prompt(completion(prompt=[1, 2, 3])) == [1, 2, 3]
-    assert single_prompt(completion(prompt=[[4, 5]])) == [4, 5]
-    assert single_prompt(completion(prompt=["1"])) == "1"  # a string stays a string
-    raises(400, "prompt", single_prompt, completion(prompt=["a", "b"]))
-    raises(400, "prompt", single_prompt, completion(prompt=[[1], [2]]))
-    raises(400, "prompt", single_prompt, completion(prompt=""))
-    raises(400, "prompt", single_prompt, completion(prompt=[]))
-    check_token_ids([0, 9], 10)
-    raises(400, "prompt", check_token_ids, [0, 10], 10)
-    raises(400, "prompt", check_token_ids, [-1], 10)
+def test_completion_prompt_forms():
+    assert completion_prompts(completion(prompt="abc")) == ["abc"]
+    assert completion_prompts(completion(prompt=["abc"])) == ["abc"]
+    assert completion_prompts(completion(prompt=[1, 2, 3])) == [[1, 2, 3]]
+    assert completion_prompts(completion(prompt=[[4, 5]])) == [[4, 5]]
+    assert completion_prompts(completion(prompt=["1"])) == ["1"]  # a string stays a string
+    assert completion_prompts(completion(prompt=["a", "b"])) == ["a", "b"]
+    assert completion_prompts(completion(prompt=[[1], [2, 3]])) == [[1], [2, 3]]
+    raises(400, "prompt", completion_prompts, completion(prompt=["a", ""]))
+    raises(400, "prompt", completion_prompts, completion(prompt=["a"] * 257))
+    raises(400, "prompt", completion_prompts, completion(prompt=""))
+    raises(400, "prompt", completion_prompts, completion(prompt=[]))
+
+
+def test_parallel_sampling_logit_bias_and_echo_logprobs_map_to_sampling_params():
+    p = params(completion(n=3, best_of=5, logit_bias={"7": -100, "9": 2.5}, echo=True, logprobs=2))
+    assert (p.n, p.best_of, p.num_sequences) == (3, 5, 5)
+    assert p.logit_bias == {7: -100.0, 9: 2.5}
+    assert p.prompt_logprobs == 2 and p.logprobs == 2
+    assert params(completion(echo=True)).prompt_logprobs is None
+    assert params(completion(logprobs=1)).prompt_logprobs is None
+    assert params(chat(n=4, stream=True)).num_sequences == 4
+    assert params(completion(n=2, best_of=2, stream=True)).best_of == 2  # nothing to rank
 
 
 def test_chat_messages_flatten_text_parts_and_refuse_the_rest():
@@ -464,3 +477,70 @@ def test_spliced_chunks_equal_the_models(text, finish):
         assert builder(CompletionBuilder, stream=True).add(ev) == sse(
             CompletionResponse(choices=[choice], **kw)
         )
+
+
+# -- several choices: n, best_of, several prompts, echo with prompt logprobs --------------------
+
+
+def at(index: int, ev: TokenEvent, **kw) -> TokenEvent:
+    return msgspec.structs.replace(ev, index=index, **kw)
+
+
+def test_n_choices_interleaved_in_a_stream_keep_their_index():
+    b = builder(ChatBuilder, stream=True, include_usage=True, n=2)
+    events = [at(0, EVENTS[0]), at(1, event([1], " world")), at(1, event([2], "!", finish="stop"))]
+    events += [at(0, event([1], " world", finish="length"))]
+    chunks = run_stream(b, events)
+    assert [c["choices"][0]["index"] for c in chunks[:2]] == [0, 1]  # one role chunk per choice
+    assert all(c["choices"][0]["delta"] == {"role": "assistant", "content": ""} for c in chunks[:2])
+    content = [(c["choices"][0]["index"], c["choices"][0]["delta"]["content"]) for c in chunks[2:6]]
+    assert content == [(0, "Hello"), (1, " world"), (1, "!"), (0, " world")]
+    assert chunks[6]["usage"]["completion_tokens"] == 4 and chunks[7] == "[DONE]"
+    openai = pytest.importorskip("openai")
+    for c in chunks[:-1]:
+        openai.types.chat.ChatCompletionChunk.model_validate(c)
+
+
+def test_best_of_returns_the_n_most_likely_in_order():
+    b = builder(CompletionBuilder, n=2, num_sequences=3)
+    for index, logprob in [(0, -3.0), (1, -1.0), (2, -2.0)]:
+        lp = LogprobsMsg(0, logprob, 1, [])
+        b.add(TokenEvent("r1", [0], f"s{index}", logprobs=[lp], finish_reason="length", index=index))
+    body = b.response()
+    assert [(c.index, c.text) for c in body.choices] == [(0, "s1"), (1, "s2")]
+    assert all(c.logprobs is None for c in body.choices)  # kept only to rank
+    assert body.usage.completion_tokens == 3
+
+
+def test_several_prompts_give_choices_in_prompt_order_and_sum_usage():
+    b = builder(CompletionBuilder, n=2, num_prompts=2, echo_texts=["A:", "B:"])
+    b.num_prompt_tokens = 10
+    for index in (3, 1, 0, 2):  # events of both prompts, any order
+        b.add(at(index, event([0], f"c{index}", finish="stop", cached=index)))
+    body = b.response()
+    assert [(c.index, c.text) for c in body.choices] == [(0, "A:c0"), (1, "A:c1"), (2, "B:c2"), (3, "B:c3")]
+    assert body.usage.prompt_tokens == 10 and body.usage.completion_tokens == 4
+    assert body.usage.prompt_tokens_details.cached_tokens == 1 + 3  # each prompt's largest report
+
+
+def test_echo_with_logprobs_lists_the_prompt_tokens_first():
+    prompt_lps = [None, LogprobsMsg(1, -2.0, 3, [(0, -0.1)])]
+    for stream in (False, True):
+        b = builder(
+            CompletionBuilder, stream=stream, logprobs=1, echo_text="Hello world", prompt_token_ids=[[0, 1]]
+        )
+        first = at(0, event([2], "!", finish="stop", logprobs=1), prompt_logprobs=prompt_lps)
+        if stream:
+            (chunk,) = run_stream(b, [first])[:1]
+            choice = chunk["choices"][0]
+        else:
+            b.add(first)
+            choice = json.loads(b.response().model_dump_json())["choices"][0]
+        assert choice["text"] == "Hello world!"
+        assert choice["logprobs"] == {
+            "text_offset": [0, 5, 11],
+            "token_logprobs": [None, -2.0, -0.5],
+            "tokens": ["Hello", " world", "!"],
+            "top_logprobs": [None, {"Hello": -0.1, " world": -2.0}, {"!": -0.5}],
+        }
+        # OpenAI sends null for the first token (the openai client parses it without validating).

@@ -48,7 +48,7 @@ class KVCacheManager:
         Leaves at least one token to compute so the step still produces logits. Does not
         take references: pass the blocks to ``allocate_slots`` in the same scheduling pass.
         """
-        if not self.enable_caching:
+        if not self.enable_caching or request.needs_prompt_logprobs:
             return [], 0
         self.update_block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
@@ -114,6 +114,35 @@ class KVCacheManager:
         if num_full > start:
             self.pool.cache_full_blocks(blocks[start:num_full], request.block_hashes[start:num_full])
             self._num_cached_blocks[request.request_id] = num_full
+
+    def fork(self, parent: Request, child: Request, num_tokens: int) -> list[tuple[int, int]] | None:
+        """Give ``child`` the KV of ``parent``'s first ``num_tokens`` tokens (parallel sampling).
+
+        Full blocks are shared by reference count; the partial block holding the last of those
+        tokens is copied into a block of the child's own (copy-on-write, done eagerly: the child
+        writes its next token there). Returns the ``(src, dst)`` block copies the model runner must
+        make before the child's next step, or None when the parent holds too few blocks (it was
+        preempted) or the pool has none free for the copy; the child then holds nothing and
+        computes its prompt again like a preempted request.
+        """
+        blocks = self.req_to_blocks.get(parent.request_id, [])
+        num_full, partial = divmod(num_tokens, self.block_size)
+        if len(blocks) < num_full + bool(partial) or (partial and self.pool.num_free_blocks < 1):
+            return None
+        assert child.request_id not in self.req_to_blocks, f"{child.request_id} holds blocks already"
+        shared = blocks[:num_full]
+        self.pool.touch(shared)
+        own = list(shared)
+        copies = []
+        if partial:
+            (block,) = self.pool.get_new_blocks(1)
+            own.append(block)
+            copies.append((blocks[num_full].block_id, block.block_id))
+        self.req_to_blocks[child.request_id] = own
+        num_parent_cached = self._num_cached_blocks.get(parent.request_id, 0)
+        self._num_cached_blocks[child.request_id] = min(num_full, num_parent_cached)
+        child.block_hashes = parent.block_hashes[:num_full]
+        return copies
 
     def free(self, request: Request) -> None:
         """Release every block of the request, tail first so shared prefixes are evicted last."""

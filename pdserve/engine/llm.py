@@ -9,6 +9,7 @@ from typing import Any
 from pdserve.config import DEFAULT_MODEL, EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.outputs import RequestOutput
+from pdserve.logprobs import best_sequences
 from pdserve.sampling_params import SamplingParams
 from pdserve.tokenizer import apply_chat_template
 
@@ -42,7 +43,12 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in prompt order."""
+        """Run every prompt to completion; outputs come back in prompt order.
+
+        With ``n`` > 1 each ``RequestOutput`` holds ``n`` completions (index 0..n-1), computed from
+        one prefill of the prompt; with ``best_of`` the ``n`` of highest cumulative logprob among
+        ``best_of``, best first.
+        """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if sampling_params is None:
@@ -53,9 +59,11 @@ class LLM:
             raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
 
         ids = []
+        params_of: dict[str, SamplingParams] = {}
         try:
             for prompt, params in zip(prompts, sampling_params):
                 request_id = self.engine.new_request_id()
+                params_of[request_id] = params
                 if isinstance(prompt, str):
                     self.engine.add_request(request_id, prompt, params)
                 else:
@@ -63,7 +71,7 @@ class LLM:
                         request_id, prompt.get("prompt"), params, prompt_token_ids=prompt["prompt_token_ids"]
                     )
                 ids.append(request_id)
-            return self._run(ids, use_tqdm)
+            return self._run(ids, params_of, use_tqdm)
         except BaseException:
             self.engine.abort_request(ids)
             raise
@@ -87,7 +95,9 @@ class LLM:
             prompts.append({"prompt": text, "prompt_token_ids": token_ids})
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(
+        self, ids: list[str], params_of: dict[str, SamplingParams], use_tqdm: bool
+    ) -> list[RequestOutput]:
         pending = set(ids)
         finished: dict[str, RequestOutput] = {}
         progress = _Progress(len(ids)) if use_tqdm else None
@@ -95,12 +105,26 @@ class LLM:
             for output in self.engine.step():
                 if output.finished and output.request_id in pending:
                     pending.discard(output.request_id)
-                    finished[output.request_id] = output
+                    finished[output.request_id] = _keep_best(output, params_of[output.request_id])
                     if progress:
                         progress.update()
         if progress:
             progress.close()
         return [finished[i] for i in ids]
+
+
+def _keep_best(output: RequestOutput, params: SamplingParams) -> RequestOutput:
+    """``best_of``: the ``n`` completions of highest cumulative logprob, best first, indexed 0..n-1."""
+    if not params.ranks_sequences:
+        return output
+    cumulative = [c.cumulative_logprob or 0.0 for c in output.outputs]
+    best = [output.outputs[i] for i in best_sequences(cumulative, params.n)]
+    for index, completion in enumerate(best):
+        completion.index = index
+        if params.logprobs is None:  # kept only to rank the sequences
+            completion.logprobs = None
+    output.outputs = best
+    return output
 
 
 class _Progress:

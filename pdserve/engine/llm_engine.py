@@ -20,6 +20,7 @@ engine.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -63,6 +64,21 @@ class _RequestState:
     request: Request
     generator: torch.Generator | None
     detokenizer: IncrementalDetokenizer | None
+
+
+@dataclass(eq=False)
+class _Group:
+    """A parallel-sampling request (``n``/``best_of`` > 1): its sequences, forked from the first
+    once the prompt is computed (``Scheduler._fork``), answer as one ``RequestOutput`` whose
+    ``outputs`` hold every sequence by index; it is finished when all of them are."""
+
+    request_id: str
+    sequences: list[Request]
+    texts: list[str]
+
+    @property
+    def finished(self) -> bool:
+        return all(r.is_finished for r in self.sequences)
 
 
 @dataclass(frozen=True)
@@ -161,6 +177,8 @@ class LLMEngine:
         to compare; either way a step in flight is applied in order."""
         self._in_flight: _LaunchedStep | None = None
         self._states: dict[str, _RequestState] = {}
+        self._groups: dict[str, _Group] = {}  # parallel-sampling request id -> its group
+        self._group_of: dict[str, _Group] = {}  # each of a group's sequence ids -> the group
         self._next_id = 0
         self._launch_listeners: list[LaunchListener] = []
         self.num_prompt_tokens_computed = 0
@@ -211,6 +229,7 @@ class LLMEngine:
         """
         request = self._new_request(request_id, prompt, params, prompt_token_ids)
         request.hold_blocks = hold_blocks
+        self._validate_forks(request)
         self.scheduler.add_request(request)
         self._track(request)
         return request
@@ -220,6 +239,36 @@ class LLMEngine:
         self.scheduler.validate(self._new_request(request_id, None, params, prompt_token_ids))
 
     def _new_request(
+        self, request_id: str, prompt: str | None, params: SamplingParams, prompt_token_ids: list[int] | None
+    ) -> Request:
+        """The request, and with ``params.num_sequences`` > 1 the group of its sequences: the
+        request is sequence 0, the others wait in ``pending_forks`` (ids ``<request_id>#<j>``)."""
+        request = self._single_request(request_id, prompt, params.for_sequence(0), prompt_token_ids)
+        if params.num_sequences == 1:
+            return request
+        ids = request.prompt_token_ids
+        request.pending_forks = [
+            self._single_request(f"{request_id}#{j}", prompt, params.for_sequence(j), ids)
+            for j in range(1, params.num_sequences)
+        ]
+        return request
+
+    def _validate_forks(self, request: Request) -> None:
+        if not request.pending_forks:
+            return
+        num_seqs, num_prompt = len(request.pending_forks) + 1, request.num_prompt_tokens
+        num_blocks = self.blocks_for_tokens(num_prompt + 1) + num_seqs - 1
+        total = self.scheduler.kv.pool.num_blocks
+        if num_blocks > total:
+            raise ValueError(
+                f"{num_seqs} sequences of a {num_prompt}-token prompt need {num_blocks} KV blocks to start, "
+                f"more than the cache holds ({total})"
+            )
+        for child in request.pending_forks:
+            if self.scheduler.get_request(child.request_id) is not None or child.request_id in self._group_of:
+                raise ValueError(f"duplicate request id {child.request_id!r}")
+
+    def _single_request(
         self, request_id: str, prompt: str | None, params: SamplingParams, prompt_token_ids: list[int] | None
     ) -> Request:
         if prompt_token_ids is None:
@@ -236,6 +285,15 @@ class LLMEngine:
         )
 
     def _track(self, request: Request) -> None:
+        """Give a new request (and the sequences it forks, as a group) a generator and a detokenizer."""
+        if request.pending_forks:
+            sequences = [request, *request.pending_forks]
+            group = _Group(request.request_id, sequences, [""] * len(sequences))
+            self._groups[request.request_id] = group
+            for r in sequences:
+                self._group_of[r.request_id] = group
+            for child in request.pending_forks:
+                self._track(child)
         params = request.sampling_params
         if params.structured_outputs is not None:
             request.structured_output = self.structured.request(params.structured_outputs)
@@ -256,9 +314,13 @@ class LLMEngine:
     ) -> list[int] | None:
         """Reserve blocks for a prompt whose KV another node computes; None when blocks are short now.
 
-        Raises ValueError for a request this engine can never serve.
+        Raises ValueError for a request this engine can never serve. Prompt logprobs are the
+        computing node's to report: none are computed here.
         """
+        if params.prompt_logprobs is not None:
+            params = dataclasses.replace(params, prompt_logprobs=None)
         request = self._new_request(request_id, None, params, prompt_token_ids)
+        self._validate_forks(request)
         # Another node writes these blocks, unordered with this engine's stream: a block freed
         # while the step in flight still writes it (an abort, a late stop) must not be handed out
         # before that step has run.
@@ -286,7 +348,7 @@ class LLMEngine:
         if request is None:
             self._forget(request_id)
             return None
-        return self._process(request)
+        return self._outputs([request])[0]
 
     def generator_state(self, request_id: str) -> bytes:
         """The seeded sampler state of a request (empty when unseeded), to continue sampling elsewhere."""
@@ -343,9 +405,20 @@ class LLMEngine:
         self, request_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED
     ) -> None:
         """End requests wherever they are (queued, running, waiting for KV, or holding blocks);
-        blocks pinned by ``pin_held`` stay until ``unpin_held``. Unknown ids are ignored."""
-        self.scheduler.finish_requests(request_ids, status)
+        blocks pinned by ``pin_held`` stay until ``unpin_held``. Unknown ids are ignored. A
+        parallel-sampling request ends with every one of its sequences, forked or not."""
+        ids = []
         for request_id in request_ids:
+            group = self._groups.pop(request_id, None)
+            if group is None:
+                ids.append(request_id)
+                continue
+            group.sequences[0].pending_forks = []
+            for r in group.sequences:
+                ids.append(r.request_id)
+                self._group_of.pop(r.request_id, None)
+        self.scheduler.finish_requests(ids, status)
+        for request_id in ids:
             self.release_held(request_id)
             self._forget(request_id)
 
@@ -374,12 +447,18 @@ class LLMEngine:
         )
 
     def request_ids(self) -> list[str]:
-        """Every request the engine holds: queued, running, waiting for KV, or holding blocks."""
-        return list(self.scheduler.requests) + list(self.scheduler.held)
+        """Every request the engine holds: queued, running, waiting for KV, or holding blocks (a
+        parallel-sampling request once, under its own id)."""
+        ids = list(self.scheduler.requests) + list(self.scheduler.held)
+        return list(dict.fromkeys(self._group_id(i) for i in ids))
+
+    def _group_id(self, request_id: str) -> str:
+        group = self._group_of.get(request_id)
+        return request_id if group is None else group.request_id
 
     def has_request(self, request_id: str) -> bool:
         """Whether ``request_ids`` has it; a finished request that keeps its blocks counts."""
-        return self.scheduler.get_request(request_id) is not None
+        return request_id in self._groups or self.scheduler.get_request(request_id) is not None
 
     @property
     def num_free_blocks(self) -> int:
@@ -500,7 +579,14 @@ class LLMEngine:
             device_inputs = DeviceInputs(previous.sample.token_ids, sources)
         listeners = list(self._launch_listeners)
         layer_events: list | None = [] if listeners else None
-        logits = self.runner.execute(out, device_inputs, layer_events)
+        prompt_logprobs: list | None = None
+        if any(s.request.needs_prompt_logprobs for s in out.scheduled):
+            prompt_logprobs = []
+        logits = self.runner.execute(out, device_inputs, layer_events, prompt_logprobs)
+        for request_id, first, entries in prompt_logprobs or ():
+            request = self.scheduler.get_request(request_id)
+            if request is not None and len(request.prompt_logprobs) == first:  # not after a preemption
+                request.prompt_logprobs += entries
         if listeners:
             chunks = [
                 LaunchedChunk(
@@ -553,18 +639,35 @@ class LLMEngine:
     def _apply(self, step: _LaunchedStep) -> list[RequestOutput]:
         """Read a launched step's tokens on the host (waits for it) and process them."""
         updated = self.scheduler.update_from_output(step.out, step.sample.get())
-        return [self._process(request) for request in updated]
+        return self._outputs(updated)
 
     def _generator(self, request: Request) -> torch.Generator | None:
         state = self._states.get(request.request_id)
         return state.generator if state else None
 
-    def _process(self, request: Request) -> RequestOutput:
+    def _outputs(self, requests: list[Request]) -> list[RequestOutput]:
+        """Outputs of requests that got a token: one per request, one per group of sequences."""
+        outputs = []
+        groups: dict[str, _Group] = {}
+        for request in requests:
+            text = self._advance(request)
+            group = self._group_of.get(request.request_id)
+            if group is None:
+                outputs.append(self._output(request, text))
+            else:
+                group.texts[group.sequences.index(request)] = text
+                groups[group.request_id] = group
+        for group in groups.values():
+            outputs.append(self._group_output(group))
+        return outputs
+
+    def _advance(self, request: Request) -> str:
+        """Detokenize a request's new token and apply its stop strings; its text so far."""
         state = self._states[request.request_id]
         if request.hold_blocks and request.is_finished:
             # A prefill-only request: its output is the first token, the text is the decode node's
             # job; its state (the seeded generator) lives until ``release_held``.
-            return self._output(request, "")
+            return ""
         params = request.sampling_params
         grammar = request.structured_output
         if grammar is not None:
@@ -585,17 +688,17 @@ class LLMEngine:
                     request.stop_reason = stop
         if request.is_finished:
             self._forget(request.request_id)
-        return self._output(request, detok.text if detok else "")
+        return detok.text if detok else ""
 
     @staticmethod
-    def _output(request: Request, text: str) -> RequestOutput:
+    def _completion(request: Request, text: str, index: int = 0) -> CompletionOutput:
         logprobs = None
         cumulative = None
         if request.sampling_params.logprobs is not None:
             logprobs = list(request.output_logprobs)
             cumulative = sum(lp.logprob for lp in logprobs if lp is not None)
-        completion = CompletionOutput(
-            index=0,
+        return CompletionOutput(
+            index=index,
             text=text,
             token_ids=list(request.output_token_ids),
             cumulative_logprob=cumulative,
@@ -603,14 +706,36 @@ class LLMEngine:
             finish_reason=request.status.finish_reason,
             stop_reason=request.stop_reason,
         )
+
+    @classmethod
+    def _output(cls, request: Request, text: str) -> RequestOutput:
+        return cls._request_output(request, [cls._completion(request, text)], request.is_finished)
+
+    @staticmethod
+    def _request_output(first: Request, outputs: list[CompletionOutput], finished: bool) -> RequestOutput:
+        prompt_logprobs = None
+        if first.sampling_params.prompt_logprobs is not None and not first.needs_prompt_logprobs:
+            prompt_logprobs = first.prompt_logprobs  # complete: never changes again, so not copied
         return RequestOutput(
-            request_id=request.request_id,
-            prompt=request.prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            outputs=[completion],
-            finished=request.is_finished,
-            num_cached_tokens=max(request.num_cached_tokens, 0),
+            request_id=first.request_id,
+            prompt=first.prompt,
+            prompt_token_ids=first.prompt_token_ids,
+            outputs=outputs,
+            finished=finished,
+            num_cached_tokens=max(first.num_cached_tokens, 0),
+            prompt_logprobs=prompt_logprobs,
         )
+
+    def _group_output(self, group: _Group) -> RequestOutput:
+        """Every sequence of the group, by index; a finished group leaves the engine's books. The
+        sequences are all there even when ``best_of`` asks for fewer: the caller ranks them."""
+        outputs = [self._completion(r, t, j) for j, (r, t) in enumerate(zip(group.sequences, group.texts))]
+        finished = group.finished
+        if finished:
+            self._groups.pop(group.request_id, None)
+            for r in group.sequences:
+                self._group_of.pop(r.request_id, None)
+        return self._request_output(group.sequences[0], outputs, finished)
 
 
 def find_stop_string(

@@ -24,6 +24,7 @@ from pdserve.engine.copies import to_device
 from pdserve.engine.cuda_graphs import DecodeGraphs
 from pdserve.engine.models.arch import ArchConfig
 from pdserve.engine.models.llama import CausalLM
+from pdserve.engine.prompt_logprobs import prompt_logprobs as compute_prompt_logprobs
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.kernels.block_copy import gather_blocks, scatter_blocks
 from pdserve.kernels.paged_attention import eager_decode_warm_up_lens, prefill_config
@@ -188,6 +189,7 @@ class ModelRunner:
         out: SchedulerOutput,
         device_inputs: DeviceInputs | None = None,
         layer_events: list | None = None,
+        prompt_logprobs: list | None = None,
     ) -> torch.Tensor:
         """Queue the step's forward; returns float32 logits [N, vocab] of the rows that sample, in order.
 
@@ -195,8 +197,12 @@ class ModelRunner:
         ``device_inputs``; their slots in the host list hold 0 until the device fills them.
         With ``layer_events`` (a list, CUDA), an eager step appends one event per layer, recorded
         once that layer's kernels are queued: layer i's KV is written when event i completes. A
-        CUDA-graph step appends none.
+        CUDA-graph step appends none. The step's ``block_copies`` are made first. With
+        ``prompt_logprobs`` (a list), each request that asks for them and computes prompt positions
+        in this step appends ``(request_id, first_token_index, [TokenLogprobs, ...])``.
         """
+        if out.block_copies:
+            self._copy_blocks(out.block_copies)
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -206,8 +212,10 @@ class ModelRunner:
         sample_rows: list[int] = []
         device_rows: list[int] = []  # rows of input_ids that device_inputs fill
         max_blocks = 0
+        first_rows: list[int] = []  # row of each scheduled request's first token
         for s in out.scheduled:
             end = s.start + s.num_tokens
+            first_rows.append(len(input_ids))
             input_ids += s.token_ids
             for _ in range(s.num_device_inputs):
                 device_rows.append(len(input_ids))
@@ -252,6 +260,28 @@ class ModelRunner:
             if fill is not None:
                 ids.index_copy_(0, *fill)
             hidden = self.model(ids, to_device(positions, torch.long, dev), meta, self.backend, after_layer)
+        if prompt_logprobs is not None:
+            self._prompt_logprobs(out, hidden, first_rows, prompt_logprobs)
         if len(sample_rows) < hidden.shape[0]:
             hidden = hidden.index_select(0, to_device(sample_rows, torch.long, dev))
         return self.model.compute_logits(hidden)
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy whole KV blocks (every layer, keys and values), queued before the step's forward."""
+        src = to_device([c[0] for c in copies], torch.long, self.device)
+        dst = to_device([c[1] for c in copies], torch.long, self.device)
+        # kv_cache: [L, NB, 2, BS, Hkv, D]; each layer's view sees the copy
+        self.kv_cache.index_copy_(1, dst, self.kv_cache.index_select(1, src))
+
+    def _prompt_logprobs(
+        self, out: SchedulerOutput, hidden: torch.Tensor, first_rows: list[int], into: list
+    ) -> None:
+        for s, row in zip(out.scheduled, first_rows):
+            r = s.request
+            num_top = r.sampling_params.prompt_logprobs
+            k = min(s.start + s.num_tokens, r.num_prompt_tokens - 1) - s.start
+            if num_top is None or k <= 0:
+                continue
+            targets = r.prompt_token_ids[s.start + 1 : s.start + 1 + k]
+            logits = self.model.compute_logits(hidden[row : row + k])  # [k, V]
+            into.append((r.request_id, s.start + 1, compute_prompt_logprobs(logits, targets, num_top)))

@@ -37,6 +37,8 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     """Prompt tokens whose KV came from the prefix cache."""
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    """With ``SamplingParams.prompt_logprobs``: one entry per prompt token, None for the first."""
 
 
 @dataclass(frozen=True)

@@ -90,6 +90,12 @@ class Request:
     """Tokens those steps sample: on the device, not yet in ``output_token_ids``."""
     structured_output: StructuredOutputRequest | None = None
     """The grammar its output must follow (``SamplingParams.structured_outputs``), if any."""
+    pending_forks: list[Request] = field(default_factory=list)
+    """Parallel sampling: the other sequences of this request, which the scheduler forks from it
+    once its first token is applied (``Scheduler._fork``); empty after that."""
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=lambda: [None])
+    """With ``sampling_params.prompt_logprobs``: one entry per prompt token computed so far (the
+    first token has none)."""
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -129,6 +135,15 @@ class Request:
         num_outputs = self.num_output_tokens + self.num_output_placeholders
         return (max_tokens is not None and num_outputs >= max_tokens) or (
             self.num_tokens_with_placeholders >= max_model_len
+        )
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs are asked for and some are still missing: every prompt position must be
+        computed, so the prefix cache may not skip any."""
+        return (
+            self.sampling_params.prompt_logprobs is not None
+            and len(self.prompt_logprobs) < self.num_prompt_tokens
         )
 
     @property

@@ -3,7 +3,7 @@
 The order follows vLLM v1's sampler:
 
 1. raw logprobs (float32 ``log_softmax`` of the unprocessed logits), only if some row asks;
-2. a float32 copy of the logits; ``min_tokens`` masks eos and stop tokens;
+2. a float32 copy of the logits; ``min_tokens`` masks eos and stop tokens; ``logit_bias`` is added;
 3. penalties: repetition (prompt + output tokens), frequency and presence (output tokens);
 4. greedy rows: argmax of the penalized logits;
 5. random rows: temperature, min_p, top_k, top_p (removed tokens become -inf), softmax,
@@ -96,6 +96,26 @@ def apply_min_tokens(
     if row_idx:
         index = to_device([row_idx, tok_idx], torch.long, logits.device)  # [2, M]
         logits[index[0], index[1]] = _NEG_INF
+    return logits
+
+
+def apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Add each row's ``logit_bias`` to the logits of the token ids it names (OpenAI's
+    ``logit_bias``; ids outside ``[0, V)`` are skipped). Modifies ``logits`` [N, V] in place."""
+    vocab = logits.shape[1]
+    row_idx: list[int] = []
+    tok_idx: list[int] = []
+    bias: list[float] = []
+    for i, row in enumerate(rows):
+        for tok, b in (row.params.logit_bias or {}).items():
+            if 0 <= tok < vocab:
+                row_idx.append(i)
+                tok_idx.append(tok)
+                bias.append(b)
+    if row_idx:
+        index = to_device([row_idx, tok_idx], torch.long, logits.device)  # [2, M]
+        values = to_device(bias, torch.float32, logits.device)  # [M]
+        logits.index_put_((index[0], index[1]), values, accumulate=True)
     return logits
 
 
@@ -233,6 +253,7 @@ class Sampler:
 
         x = logits.to(torch.float32, copy=True)  # [N, V]
         apply_min_tokens(x, rows, self.eos_token_ids)
+        apply_logit_bias(x, rows)
         apply_penalties(x, rows)
         sampled = self._sample(x, rows)  # [N] int64
         return PendingSample.start(sampled, rows, lp_idx, raw_logprobs)

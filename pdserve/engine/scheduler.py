@@ -14,6 +14,14 @@ Each ``schedule()`` call fills one engine step:
 ``update_from_output`` advances ``num_computed_tokens``, appends sampled tokens of
 requests whose computed tokens caught up, and finishes those that stop.
 
+Parallel sampling (``n``/``best_of`` > 1): the first sequence computes the prompt; when its first
+token is applied (here, or when remote KV lands) the other sequences fork from it (``_fork``):
+each shares the blocks of the prompt's first ``P - 1`` tokens by reference count, gets a copy of
+the partial block among them, and computes the last prompt token itself in its next step, whose
+logits sample its own first token. So the prompt runs once, no sequence ever writes a shared
+block, and the copies (``SchedulerOutput.block_copies``) run on the device before the step that
+follows, after every step that wrote their sources.
+
 Async scheduling: the engine may call ``schedule()`` for step N+1 before
 ``update_from_output`` of step N (never more than one step ahead). ``schedule()`` therefore
 counts a step's tokens as in flight (``Request.num_inflight_tokens``) and each token it will
@@ -67,6 +75,8 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    """(src, dst) KV blocks to copy before the step's forward: partial prompt blocks of forks."""
 
     @property
     def num_batched_tokens(self) -> int:
@@ -103,6 +113,8 @@ class Scheduler:
         # Held requests whose blocks are being read from outside (a send in flight) -> whether a
         # release came meanwhile: their blocks are freed by ``unpin_held``, not before.
         self.pinned: dict[str, bool] = {}
+        # Block copies of forked sequences, made before the next launched step.
+        self.pending_copies: list[tuple[int, int]] = []
         self.num_preemptions = 0
         # Prefix-cache statistics, counted when a request is admitted.
         self.num_prefix_query_tokens = 0
@@ -146,6 +158,11 @@ class Scheduler:
         """
         self.validate(request)
         hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+        # Room for the forked sequences' copies of the partial block too (parallel sampling).
+        num_forks = len(request.pending_forks)
+        num_prompt_blocks = cdiv(request.num_prompt_tokens, self.block_size)
+        if num_forks and self.kv.num_free_blocks < num_prompt_blocks + num_forks:
+            return None
         if (
             self.kv.allocate_slots(request, request.num_prompt_tokens - num_hit_tokens, hits, cache=False)
             is None
@@ -172,6 +189,7 @@ class Scheduler:
         request.num_cached_tokens = num_cached_tokens
         self.kv.cache_blocks(request, request.num_prompt_tokens)
         request.append_output_token(first_token, logprobs)
+        self._fork(request)
         status = request.check_stop(self.max_model_len)
         if status is not None:
             request.status = status
@@ -244,6 +262,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        out.block_copies, self.pending_copies = self.pending_copies, []
         budget = self.config.max_num_batched_tokens
 
         i = 0
@@ -304,7 +323,28 @@ class Scheduler:
             out.scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
         self.waiting.extendleft(reversed(compiling))
+        if not out.scheduled:  # no step is launched: the copies wait for one (nothing writes meanwhile)
+            self.pending_copies, out.block_copies = out.block_copies, []
         return out
+
+    def _fork(self, parent: Request) -> None:
+        """Start the sequences forked from ``parent`` once its first token is in (see the module
+        docstring); they go to the front of the queue, holding their blocks, in order. One that
+        cannot share (the parent was preempted, or no block is free for its copy) holds nothing
+        and computes its prompt later, like a preempted request."""
+        if not parent.pending_forks:
+            return
+        children, parent.pending_forks = parent.pending_forks, []
+        num_shared = parent.num_prompt_tokens - 1
+        for child in children:
+            copies = self.kv.fork(parent, child, num_shared)
+            if copies is not None:
+                child.num_computed_tokens = num_shared
+                child.num_cached_tokens = max(parent.num_cached_tokens, 0)
+                self.pending_copies += copies
+            child.status = RequestStatus.WAITING
+            self.requests[child.request_id] = child
+        self.waiting.extendleft(reversed(children))
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         """The request's share of the step; its tokens count as in flight from now on."""
@@ -352,6 +392,7 @@ class Scheduler:
                 continue
             request.num_output_placeholders -= 1
             request.append_output_token(token_id, logprobs)
+            self._fork(request)
             status = request.check_stop(self.max_model_len)
             if status is not None:
                 if request.status == RequestStatus.RUNNING:
