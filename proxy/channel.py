@@ -329,10 +329,11 @@ class NodeChannel:
 
     @asynccontextmanager
     async def stream(
-        self, request: StreamRequest, timeout: float = CONTROL_TIMEOUT_S
+        self, request: StreamRequest, timeout: float = CONTROL_TIMEOUT_S, num_sequences: int = 1
     ) -> AsyncIterator[AsyncIterator[TokenEvent]]:
         """Open the request's token stream; entering returns once the node said yes (``timeout``
-        bounds that wait only). Leaving before the final event aborts the request there."""
+        bounds that wait only). The events end with the final one of each of the request's
+        ``num_sequences`` sequences (parallel sampling); leaving before that aborts the request."""
         rid = request.request_id
         queue: asyncio.Queue[_StreamItem] = asyncio.Queue()
         if rid in self._streams:
@@ -344,12 +345,14 @@ class NodeChannel:
 
             async def events() -> AsyncIterator[TokenEvent]:
                 nonlocal finished
+                ended: set[int] = set()
                 while True:
                     item = await queue.get()
                     if isinstance(item, NodeError):
                         raise item
                     if item.finish_reason is not None:
-                        finished = True
+                        ended.add(item.index)
+                        finished = len(ended) >= num_sequences
                     yield item
                     if finished:
                         return

@@ -323,7 +323,8 @@ class Generation:
         self._prefill_task = prefill
         try:
             try:
-                async with decode.client.stream(StreamRequest(rid)) as events:
+                stream = decode.client.stream(StreamRequest(rid), num_sequences=self.params.num_sequences)
+                async with stream as events:
                     if prefill is None:
                         await self._relay(events)
                     else:

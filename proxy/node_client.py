@@ -172,6 +172,6 @@ class NodeClient:
         """Runs until the KV is committed to the decode node (or failed)."""
         return await self._channel().prefill(request, timeout)
 
-    def stream(self, request: StreamRequest, timeout: float = CONTROL_TIMEOUT_S):
+    def stream(self, request: StreamRequest, timeout: float = CONTROL_TIMEOUT_S, num_sequences: int = 1):
         """The request's token stream (``NodeChannel.stream``)."""
-        return self._channel().stream(request, timeout)
+        return self._channel().stream(request, timeout, num_sequences)
