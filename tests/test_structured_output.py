@@ -274,6 +274,43 @@ def test_remote_first_token_advances_the_decode_side_matcher(tiny):
     _check_idle(tiny)
 
 
+def test_landed_request_whose_grammar_compiles_late_waits_and_catches_up(tiny, monkeypatch):
+    """P/D race: the decode node's grammar is still compiling when the prompt's KV lands with the
+    first token. The first decode step must wait for it and mask from the state after that token
+    (a matcher made late once started from scratch there and let the grammar begin again)."""
+    import threading
+
+    engine = tiny.engine
+    engine.async_scheduling = False
+    prompt = engine.tokenize("first token elsewhere")
+    params = _params(11)
+    import dataclasses
+
+    engine.add_request("pre2", None, dataclasses.replace(params, max_tokens=1), prompt, hold_blocks=True)
+    first = None
+    while first is None:
+        for out in engine.step():
+            first = out.outputs[0].token_ids[0]
+    engine.release_held("pre2")
+    real = engine.structured.request
+
+    def late(spec):
+        compiled = real(spec)._compiled
+        fut: Future = Future()
+        threading.Timer(0.3, lambda: fut.set_result(compiled.result())).start()
+        return StructuredOutputRequest(fut)
+
+    monkeypatch.setattr(engine.structured, "request", late)
+    assert engine.reserve_remote("dec2", prompt, params) is not None
+    engine.remote_kv_landed("dec2", first, None, b"", 0)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    text = outs[-1].outputs[0].text
+    assert outs[-1].outputs[0].token_ids[0] == first and re.fullmatch(PATTERN, text), text
+    _check_idle(tiny)
+
+
 def test_malformed_constraint_is_refused_when_added(tiny):
     with pytest.raises(ValueError, match="invalid structured output json"):
         tiny.engine.add_request(

@@ -614,6 +614,14 @@ class LLMEngine:
         """
         logits = forward.logits
         grammars = [r.structured_output for r in forward.sampling]
+        for r, g in zip(forward.sampling, grammars):
+            if g is not None and not g.closed:
+                # A request that entered the batch without waiting for its grammar (a decode node's
+                # landed prompt, whose first token came from the prefill node) waits here: no grammar
+                # row is ever sampled unmasked, and a late matcher first catches up with its tokens.
+                if not g.ready:
+                    g.wait()
+                g.advance(r.output_token_ids)
         if any(g is not None for g in grammars):
             filled = self.structured.fill_bitmask(grammars)
             if filled is not None:
