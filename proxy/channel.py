@@ -116,6 +116,7 @@ class NodeChannel:
         self._refused: NodeError | None = None  # the node refused our Hello (wrong token)
         self._last_heard = 0.0
         self._tasks: list[asyncio.Task] = []
+        self._rehello: asyncio.Task | None = None
         self._closed = False
 
     def __repr__(self) -> str:
@@ -151,6 +152,8 @@ class NodeChannel:
 
     async def close(self) -> None:
         self._closed = True
+        if self._rehello is not None:
+            self._tasks.append(self._rehello)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -177,6 +180,10 @@ class NodeChannel:
                 self._changed.set()
         finally:
             monitor.close(0)
+
+    def _welcome_again(self) -> None:
+        if self._rehello is None or self._rehello.done():
+            self._rehello = asyncio.ensure_future(self._hello())
 
     async def _hello(self) -> None:
         """Say Hello on a new connection. The monitor reports the handshake from ZeroMQ's I/O
@@ -208,6 +215,12 @@ class NodeChannel:
                 if queue is not None:
                     queue.put_nowait(event)
         elif isinstance(msg, Reply):
+            if msg.status == 428:  # the node forgot us (we were silent too long to it): Hello again
+                self._welcome_again()
+                fut = self._calls.pop(msg.call_id, None) if msg.call_id else None
+                if fut is not None and not fut.done():  # that call did not run: it may go elsewhere
+                    fut.set_exception(NodeError(self.url, msg.error, connect_failed=True))
+                return
             if msg.call_id == 0:  # about the channel itself: our Hello was refused
                 self._refused = NodeError(self.url, f"request channel refused: {msg.error}", msg.status)
                 self._changed.set()  # wake the waiters, who find ``_refused``

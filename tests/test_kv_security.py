@@ -192,8 +192,8 @@ def test_internal_routes_need_the_cluster_token(cluster):
                     with pytest.raises(node_link.LinkRefused) as refused:
                         link.hello(given)
                     assert refused.value.reply.status == 401 and "cluster token" in refused.value.reply.error
-                reply = link.call(body, 10)
-                assert reply.status == 401 and "cluster token" in reply.error, (role, given, reply)
+                reply = link.call(body, 10)  # 428: not run, say Hello (with the right token) first
+                assert reply.status == 428 and "cluster token" in reply.error, (role, given, reply)
     load = _get(f"{_node(cluster, 'decode').url}/internal/load", NodeLoad)
     assert load.waiting_for_kv == 0  # nothing was reserved
     _alive(cluster)

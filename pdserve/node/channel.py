@@ -49,6 +49,8 @@ from pdserve.messages import (
 
 logger = logging.getLogger(__name__)
 
+SAY_HELLO = "say Hello with the cluster token first"
+
 
 class CallRefused(Exception):
     """What a handler raises to answer a call with an error status (HTTP's meanings)."""
@@ -169,10 +171,12 @@ class ChannelServer:
             self._send(peer, Welcome(self.node_id))
             return
         if peer is None or not peer.welcomed:
+            # 428: the call was not run. A peer the node forgot (it was silent too long) says Hello
+            # again on seeing this, and its call may go elsewhere.
             if isinstance(msg, Call):
-                self._send_raw(
-                    routing_id, Reply(msg.call_id, 401, error="say Hello with the cluster token first")
-                )
+                self._send_raw(routing_id, Reply(msg.call_id, 428, error=SAY_HELLO))
+            elif isinstance(msg, Ping):
+                self._send_raw(routing_id, Reply(0, 428, error=SAY_HELLO))
             return
         peer.last_seen = time.monotonic()
         if isinstance(msg, Call):
@@ -231,11 +235,18 @@ class ChannelServer:
     # -- peers that went away ------------------------------------------------------------------
 
     async def _sweep(self) -> None:
+        every = min(1.0, self.peer_timeout_s / 4)
+        tick = time.monotonic()
+        on_time = 0  # ticks in a row that came on time
         while True:
-            await asyncio.sleep(min(1.0, self.peer_timeout_s / 4))
+            await asyncio.sleep(every)
             now = time.monotonic()
+            on_time = 0 if now - tick > every + 0.25 else on_time + 1
+            tick = now
             for peer in list(self.peers.values()):
-                if now - peer.last_seen > self.peer_timeout_s:
+                # Judged only while this loop keeps time: a node that was stalled (a long GC, a
+                # SIGSTOP) has its peers' messages still unread, and they are not silent.
+                if now - peer.last_seen > self.peer_timeout_s and on_time >= 2:
                     self._forget(peer, f"silent for {now - peer.last_seen:.1f} s")
                 elif peer.welcomed:
                     self._send(peer, Ping(time.time()))
