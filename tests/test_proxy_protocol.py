@@ -347,11 +347,14 @@ def test_stream_without_usage_ends_with_done_only():
     assert all("usage" not in c for c in chunks[:-1])
 
 
-def test_empty_text_events_are_skipped_unless_they_finish_or_carry_logprobs():
-    events = [event([3], ""), event([4], "é"), event([9], "", finish="stop")]
+def test_every_token_streams_a_chunk_and_events_with_nothing_new_do_not():
+    """As vLLM: a token that completes no character (half of "é", or any token of a model without a
+    tokenizer) still streams a chunk with empty content; an event with no token and no text (a
+    held-back stop-string candidate released later) sends nothing until it finishes."""
+    events = [event([3], ""), event([4], "é"), event([], ""), event([9], "", finish="stop")]
     chunks = run_stream(builder(ChatBuilder, stream=True), events)
     deltas = [c["choices"][0]["delta"] for c in chunks[1:-1]]
-    assert deltas == [{"content": "é"}, {"content": ""}]
+    assert deltas == [{"content": ""}, {"content": "é"}, {"content": ""}]
     events = [
         event([3], "", logprobs=0),
         event([4], "é", logprobs=0),

@@ -32,6 +32,7 @@ def info(role: str, **kw) -> NodeInfo:
         kv_address="",
         max_model_len=4096,
         vocab_size=100,
+        channel_port=1,
     )
     fields.update(kw)
     return NodeInfo(**fields)

@@ -116,12 +116,17 @@ class SimModelRunner:
         )
 
     def execute(
-        self, out: SchedulerOutput, device_inputs: object = None, layer_events: list | None = None
+        self,
+        out: SchedulerOutput,
+        device_inputs: object = None,
+        layer_events: list | None = None,
+        prompt_logprobs: list | None = None,
     ) -> SimStep:
         """Queue the step on the simulated device; returns when it ends and what it samples.
 
         ``device_inputs`` (the previous step's tokens) are not read: tokens depend on the prompt
-        and the position alone. ``layer_events`` stays empty: the KV counts as written at launch.
+        and the position alone. A simulated model has no logits: ``prompt_logprobs`` stays empty
+        (echo with logprobs returns none). ``layer_events`` stays empty: the KV counts as written at launch.
         """
         rows = []
         tokens = []
