@@ -246,6 +246,16 @@ def test_abort_and_finish_close_the_matcher(tiny):
     _check_idle(tiny)
 
 
+def _prefill_first_token(engine, rid: str, prompt: list[int], params: SamplingParams) -> int:
+    """The prefill side: max_tokens=1 and hold_blocks, as the prefill node runs it."""
+    import dataclasses
+
+    engine.add_request(rid, None, dataclasses.replace(params, max_tokens=1), prompt, hold_blocks=True)
+    while True:
+        for out in engine.step():
+            return out.outputs[0].token_ids[0]
+
+
 def test_remote_first_token_advances_the_decode_side_matcher(tiny):
     """P/D: the prefill engine samples the first token under the mask; the decode engine's matcher
     takes it before its first step, so the whole output obeys the grammar."""
@@ -253,14 +263,7 @@ def test_remote_first_token_advances_the_decode_side_matcher(tiny):
     engine.async_scheduling = False
     prompt = engine.tokenize("first token elsewhere")
     params = _params(5)
-    # The prefill side: max_tokens=1 and hold_blocks, as the prefill node runs it.
-    import dataclasses
-
-    engine.add_request("pre", None, dataclasses.replace(params, max_tokens=1), prompt, hold_blocks=True)
-    first = None
-    while first is None:
-        for out in engine.step():
-            first = out.outputs[0].token_ids[0]
+    first = _prefill_first_token(engine, "pre", prompt, params)
     assert re.fullmatch(r"[a-c]", tiny.get_tokenizer().decode([first]).strip()[:1])
     engine.release_held("pre")
     # The decode side: reserve, then the KV "lands" with the first token.
@@ -284,13 +287,7 @@ def test_landed_request_whose_grammar_compiles_late_waits_and_catches_up(tiny, m
     engine.async_scheduling = False
     prompt = engine.tokenize("first token elsewhere")
     params = _params(11)
-    import dataclasses
-
-    engine.add_request("pre2", None, dataclasses.replace(params, max_tokens=1), prompt, hold_blocks=True)
-    first = None
-    while first is None:
-        for out in engine.step():
-            first = out.outputs[0].token_ids[0]
+    first = _prefill_first_token(engine, "pre2", prompt, params)
     engine.release_held("pre2")
     real = engine.structured.request
 
