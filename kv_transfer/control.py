@@ -279,14 +279,16 @@ class ControlReceiver(KVReceiver):
         # Every message already here before the planes are polled again: a sender's data and the
         # commit right behind it are taken in one turn (nixl then acks once, not a READ's end too).
         for _ in range(MESSAGES_PER_TURN):
-            # Read connection events first: a connection's ACCEPTED event is queued before any
-            # message of it can arrive, so a reused routing id is never taken for the connection
-            # it replaced.
-            self._drain_monitor(monitor)
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
+            # Then read connection events: a connection's ACCEPTED event (and the DISCONNECTED of
+            # the one before it on that fd) is queued before any message of it can arrive, so
+            # read after the message, they are all here and a reused routing id is never taken
+            # for the connection it replaced. (Read before it, a connection accepted in between
+            # lost its state at its late ACCEPTED, right after its handshake.)
+            self._drain_monitor(monitor)
             peer = frames[0].bytes
             try:
                 reply = self._handle(peer, frames[1:], info, table, on_commit)
