@@ -95,6 +95,11 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
     """Constrain the output to a JSON schema, regex, choice or grammar (a token bitmask each step)."""
+    resumed_tokens: int = 0
+    """The last this many prompt tokens are output the request already produced elsewhere: the
+    proxy resumes a request whose node died as prompt + tokens streamed so far. The grammar and the
+    frequency and presence penalties take them as output, so the rest continues as if unmoved.
+    Set by the proxy, not an API field."""
 
     def __post_init__(self) -> None:
         # Accept a single string / any iterable for the tuple fields, as vLLM does.
@@ -148,6 +153,8 @@ class SamplingParams:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if self.resumed_tokens < 0:
+            raise ValueError(f"resumed_tokens must be >= 0, got {self.resumed_tokens}")
 
     @property
     def num_sequences(self) -> int:

@@ -302,6 +302,7 @@ class Generation:
             p,
             max_tokens=None if p.max_tokens is None else p.max_tokens - n,
             min_tokens=max(0, p.min_tokens - n),
+            resumed_tokens=n,  # the grammar and the output penalties go on from where they were
         )
 
     async def _attempt(self) -> None:

@@ -16,6 +16,7 @@ from pdserve import LLM, SamplingParams
 from pdserve.cluster import LocalCluster
 from pdserve.messages import AbortRequest, NodeLoad, ReserveRequest, decode, encode
 from pdserve.metrics import parse_text
+from pdserve.sampling_params import StructuredOutputsParams
 from tests import node_link
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -31,6 +32,18 @@ PROMPTS = [
     "Translate 'good morning' to Spanish.",
 ]
 MAX_TOKENS = 40
+# Streams that resume mid-output must go on as if unmoved: output penalties and a grammar count the
+# tokens already streamed (``SamplingParams.resumed_tokens``).
+EXTRA = {
+    6: (
+        {"frequency_penalty": 1.0, "presence_penalty": 0.5},
+        dict(frequency_penalty=1.0, presence_penalty=0.5),
+    ),
+    7: (
+        {"response_format": {"type": "json_object"}},
+        dict(structured_outputs=StructuredOutputsParams(json_object=True)),
+    ),
+}
 LONG_PROMPT = "Tell me everything about the history of the world. " * 100  # ~1000 tokens
 
 
@@ -51,8 +64,11 @@ def cluster(start_cluster):
 @pytest.fixture(scope="module")
 def reference(default_model_dir):
     llm = LLM(str(default_model_dir), max_num_batched_tokens=512)
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     chats = [[{"role": "user", "content": p}] for p in [*PROMPTS, LONG_PROMPT]]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, **EXTRA.get(i, ({}, {}))[1])
+        for i in range(len(chats))
+    ]
     return [o.outputs[0].text for o in llm.chat(chats, params)]
 
 
@@ -90,9 +106,9 @@ def _wait_idle(c: LocalCluster, timeout: float = 30.0) -> None:
 class _Stream(threading.Thread):
     """One streaming chat request; records the text, the chunk count and how it ended."""
 
-    def __init__(self, url: str, prompt: str) -> None:
+    def __init__(self, url: str, prompt: str, extra: dict | None = None) -> None:
         super().__init__(daemon=True)
-        self.url, self.prompt = url, prompt
+        self.url, self.prompt, self.extra = url, prompt, extra or {}
         self.text, self.chunks, self.status, self.error, self.done = "", 0, 0, "", False
 
     def run(self) -> None:
@@ -103,6 +119,7 @@ class _Stream(threading.Thread):
             "temperature": 0,
             "ignore_eos": True,
             "stream": True,
+            **self.extra,
         }
         try:
             with httpx.stream("POST", f"{self.url}/v1/chat/completions", json=body, timeout=180) as r:
@@ -145,7 +162,7 @@ def test_decode_node_killed_under_8_streams_every_one_completes_identically(clus
     before = _migrations(cluster).get('pdserve_request_migrations_total{role="decode"}', 0.0)
     victim, spare = _alive(cluster, "decode")
     fillers = _fill(spare.url)  # every stream lands on the victim
-    streams = [_Stream(_proxy(cluster), p) for p in PROMPTS]
+    streams = [_Stream(_proxy(cluster), p, EXTRA.get(i, ({}, {}))[0]) for i, p in enumerate(PROMPTS)]
     for s in streams:
         s.start()
     deadline = time.monotonic() + 120

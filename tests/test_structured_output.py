@@ -8,6 +8,7 @@ noise, so a valid output is the mask's doing.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from concurrent.futures import Future
 
@@ -350,3 +351,31 @@ def test_gpu_mask_with_cuda_graphs_and_async_scheduling(default_model_dir):
     assert [o.outputs[0].token_ids for o in got] == [
         o.outputs[0].token_ids for o in plain.chat(convs, params)
     ]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_resumed_request_goes_on_where_it_stopped(tiny, async_scheduling):
+    """The proxy resumes a request whose node died as prompt + the tokens streamed so far
+    (``resumed_tokens``): the grammar and the output penalties take those as output, so the rest
+    is what the unmoved request would have produced (greedy: the very same tokens)."""
+    tiny.engine.async_scheduling = async_scheduling
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=40,
+        frequency_penalty=1.5,
+        presence_penalty=0.5,
+        structured_outputs=StructuredOutputsParams(regex=PATTERN),
+    )
+    whole = tiny.generate("resume me", params)[0]
+    tokens, text = whole.outputs[0].token_ids, whole.outputs[0].text
+    assert re.fullmatch(PATTERN, text), text
+    k = 3
+    assert len(tokens) > k + 1
+    resumed = dataclasses.replace(params, max_tokens=40 - k, resumed_tokens=k)
+    rest = tiny.generate({"prompt_token_ids": whole.prompt_token_ids + tokens[:k]}, resumed)[0].outputs[0]
+    assert rest.token_ids == tokens[k:]
+    # Without it the grammar would start afresh after the moved tokens (and the penalties forget them).
+    fresh = dataclasses.replace(params, max_tokens=40 - k)
+    again = tiny.generate({"prompt_token_ids": whole.prompt_token_ids + tokens[:k]}, fresh)[0].outputs[0]
+    assert again.token_ids != tokens[k:]
+    _check_idle(tiny)

@@ -621,7 +621,7 @@ class LLMEngine:
                 # row is ever sampled unmasked, and a late matcher first catches up with its tokens.
                 if not g.ready:
                     g.wait()
-                g.advance(r.output_token_ids)
+                g.advance(r.generated_token_ids)
         if any(g is not None for g in grammars):
             filled = self.structured.fill_bitmask(grammars)
             if filled is not None:
@@ -634,7 +634,7 @@ class LLMEngine:
                 SamplingRow(
                     r.sampling_params,
                     r.prompt_token_ids,
-                    r.output_token_ids,
+                    r.generated_token_ids,
                     self._generator(r),
                     # Placeholders of earlier steps; this step's own one is the token sampled now.
                     num_pending_outputs=max(0, r.num_output_placeholders - 1),
@@ -679,7 +679,7 @@ class LLMEngine:
         params = request.sampling_params
         grammar = request.structured_output
         if grammar is not None:
-            grammar.advance(request.output_token_ids)
+            grammar.advance(request.generated_token_ids)
             if grammar.is_terminated and not request.is_finished:
                 # The grammar is complete and took its end token (ignore_eos kept it going).
                 self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)

@@ -151,6 +151,15 @@ class Request:
         return self.prompt_token_ids + self.output_token_ids
 
     @property
+    def generated_token_ids(self) -> list[int]:
+        """The output as the grammar and the output penalties see it: a resumed request's output
+        from before it moved (the prompt's last ``resumed_tokens``), then this node's."""
+        k = min(self.sampling_params.resumed_tokens, len(self.prompt_token_ids))
+        if not k:
+            return self.output_token_ids
+        return self.prompt_token_ids[-k:] + self.output_token_ids
+
+    @property
     def ready_to_schedule(self) -> bool:
         """False while its grammar is still compiling (vLLM's ``WAITING_FOR_FSM``)."""
         return self.structured_output is None or self.structured_output.ready

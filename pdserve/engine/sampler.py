@@ -44,6 +44,9 @@ class SamplingRow:
     ``None`` draws from the sampler's shared generator. ``num_pending_outputs`` counts output
     tokens sampled by steps still in flight (async scheduling): they count for ``min_tokens``
     but are not in ``output_token_ids`` yet, so a row with penalties must have none.
+    ``output_token_ids`` starts with a resumed request's earlier output (the prompt's last
+    ``params.resumed_tokens``: the penalties count it), which ``min_tokens`` does not count (the
+    proxy lowered it by as much).
     """
 
     params: SamplingParams
@@ -54,7 +57,8 @@ class SamplingRow:
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.output_token_ids) + self.num_pending_outputs
+        resumed = min(self.params.resumed_tokens, len(self.prompt_token_ids))
+        return len(self.output_token_ids) - resumed + self.num_pending_outputs
 
 
 @dataclass(frozen=True)
