@@ -318,38 +318,29 @@ def test_malformed_constraint_is_refused_when_added(tiny):
 
 
 @pytest.mark.gpu
-def test_gpu_mask_with_cuda_graphs_and_async_scheduling(default_model_dir):
+def test_gpu_mask_with_cuda_graphs_and_async_scheduling():
     """On CUDA the mask is applied to the logits after a graph replay: the same tokens whether
     decode steps replay graphs under async scheduling or run eagerly and synchronously, and every
-    output follows its schema."""
-    import json
-
-    import jsonschema
-
-    from pdserve.benchmarks.json_schemas import PROMPTS, SCHEMAS
-
+    output follows its grammar. Random weights (``random:tiny``, the default model's tokenizer),
+    so the GPU host needs no model download: a valid output is the mask's doing."""
     kwargs = dict(dtype="float32", device="cuda", max_num_seqs=16, max_num_batched_tokens=2048)
-    fast = LLM(str(default_model_dir), async_scheduling=True, **kwargs)
+    fast = LLM("random:tiny", async_scheduling=True, **kwargs)
     assert fast.engine.runner.graphs is not None and fast.engine.async_scheduling
     replays = []
     run = fast.engine.runner.graphs.run
     fast.engine.runner.graphs.run = lambda *a: replays.append(len(a[0])) or run(*a)
-    plain = LLM(str(default_model_dir), async_scheduling=False, enforce_eager=True, **kwargs)
-    convs = [[{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}] for i in range(12)]
-    params = [
-        SamplingParams(
-            temperature=0.0,  # graphs and eager agree bit for bit on greedy tokens (test_cuda_graphs)
-            max_tokens=200,
-            structured_outputs=StructuredOutputsParams(json=SCHEMAS[i][1]),
-        )
-        for i in range(12)
-    ]
-    got = fast.chat(convs, params)
+    plain = LLM("random:tiny", async_scheduling=False, enforce_eager=True, **kwargs)
+    prompts = [f"prompt {i} " * (i + 1) for i in range(12)]
+    # Greedy: graphs and eager agree bit for bit on greedy tokens (test_cuda_graphs).
+    params = SamplingParams(
+        temperature=0.0, max_tokens=40, structured_outputs=StructuredOutputsParams(regex=PATTERN)
+    )
+    got = fast.generate(prompts, params)
     assert replays, "no decode step replayed a graph"
-    for i, out in enumerate(got):
-        jsonschema.validate(json.loads(out.outputs[0].text), SCHEMAS[i][1])
+    for out in got:
+        assert re.fullmatch(PATTERN, out.outputs[0].text), out.outputs[0].text
     assert [o.outputs[0].token_ids for o in got] == [
-        o.outputs[0].token_ids for o in plain.chat(convs, params)
+        o.outputs[0].token_ids for o in plain.generate(prompts, params)
     ]
 
 
