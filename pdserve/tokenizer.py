@@ -37,6 +37,11 @@ class IncrementalDetokenizer:
     Decodes a short window of ids before the new ones (``prefix_offset``) so tokenizers
     that drop a leading space at the start of a decode still produce the right delta,
     and holds back text that ends in U+FFFD until the rest of the UTF-8 sequence arrives.
+
+    A fast tokenizer that cleans up no spaces is decoded by its Rust backend directly: the same
+    text as ``tokenizer.decode`` (which calls it), without the wrapper's per-call conversions,
+    which took three quarters of the time of a decode and a third of an engine step's host time
+    at batch 128 (profiled on the simulated engine).
     """
 
     _WINDOW = 5
@@ -48,8 +53,15 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
         self.text = ""
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
+            self._backend_decode = backend.decode
+        else:
+            self._backend_decode = None
 
     def _decode(self, ids: Sequence[int]) -> str:
+        if self._backend_decode is not None:
+            return self._backend_decode(ids, skip_special_tokens=self.skip_special_tokens)
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add(self, token_ids: Sequence[int]) -> str:

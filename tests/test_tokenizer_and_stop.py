@@ -49,6 +49,35 @@ def test_special_tokens_are_skipped(tokenizer):
     assert detok.text == "Hi there"
 
 
+class _Wrapped:
+    """The tokenizer behind its Python ``decode`` only (no Rust backend to call directly)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.decode = tokenizer.decode
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_backend_decode_streams_the_same_text_as_the_tokenizer(tokenizer, skip_special_tokens):
+    """The fast path (the Rust backend's decode) gives every delta the wrapper's decode gives:
+    random ids, special tokens and split multi-byte characters included."""
+    rng = random.Random(2)
+    specials = tokenizer.all_special_ids
+    ids = [
+        rng.choice(specials) if rng.random() < 0.05 else rng.randrange(tokenizer.vocab_size)
+        for _ in range(400)
+    ]
+    ids += tokenizer.encode("🙂🚀 日本語 Ünï", add_special_tokens=False)
+    fast = IncrementalDetokenizer(tokenizer, [5, 6, 7], skip_special_tokens)
+    slow = IncrementalDetokenizer(_Wrapped(tokenizer), [5, 6, 7], skip_special_tokens)
+    assert fast._backend_decode is not None and slow._backend_decode is None
+    pos = 0
+    while pos < len(ids):
+        step = rng.randint(1, 3)
+        assert fast.add(ids[pos : pos + step]) == slow.add(ids[pos : pos + step])
+        pos += step
+    assert fast.text == slow.text
+
+
 def test_find_stop_string():
     # Only stops completed by the new part (from index 5 on) count; the earliest wins.
     assert find_stop_string("abc. STOP here", 5, ("STOP",), False) == ("STOP", 5)
