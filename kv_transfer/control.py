@@ -355,8 +355,13 @@ class ControlReceiver(KVReceiver):
             self._conns[peer] = _Conn(fd)
             return KVHandshakeReply(ok=True, info=info)
         if conn is None:
+            # Whoever waits for an answer learns that this connection must start afresh (its state
+            # is gone: a new connection under an old routing id, or a bug here); not a refusal of
+            # the request or the peer.
             self._refused("ignoring %s from a KV peer that did not pass the handshake", type(msg).__name__)
-            return msg.refused("handshake first") if isinstance(msg, KVCommit | KVSetup) else None
+            if isinstance(msg, KVCommit):
+                return KVAck(request_id=msg.request_id, ok=False, error="handshake first", lost=True)
+            return msg.refused("handshake first") if isinstance(msg, KVSetup) else None
         num_frames = 1 + msg.payload_frames
         if len(frames) != num_frames:
             return self._refuse(msg, f"{len(frames)} frames where {num_frames} belong", table)
@@ -388,6 +393,7 @@ class ControlReceiver(KVReceiver):
                 ok=False,
                 error=f"no common KV transport: the sender offers {', '.join(msg.transports)}; "
                 f"this node accepts {', '.join(self.transports)}",
+                final=True,
             )
         previous = self.planes.get(conn.transport)
         conn.transport = ""
@@ -524,8 +530,11 @@ class _Peer(ControlLink):
         self.send([encode(setup)], deadline)
         chosen = self.recv(deadline, KVSetupReply)
         if not chosen.ok:
-            self.refused = f"KV peer {self.address} refused the transport set-up: {chosen.error}"
-            raise KVHandshakeRefused(self.refused)
+            why = f"KV peer {self.address} refused the transport set-up: {chosen.error}"
+            if not chosen.final:  # this connection only: the job fails, the next one reconnects
+                raise KVTransferError(why)
+            self.refused = why
+            raise KVHandshakeRefused(why)
         plane = self.sender.planes.get(chosen.transport)
         if plane is None:
             raise KVTransferError(f"KV peer {self.address} chose {chosen.transport!r}, which was not offered")
@@ -563,6 +572,8 @@ class _Peer(ControlLink):
         ack = self.recv(deadline, KVAck, idle=self.session.progress if self.session else None)
         if self.session is not None:
             self.session.acked()
+        if ack.lost:  # the peer lost this connection's handshake: the next job reconnects
+            raise KVTransferError(f"KV peer {self.address} lost the connection's handshake ({rid} not sent)")
         if not ack.ok:
             # The peer took the data before it answered, so it has left here or is about to; if
             # it is stuck (the peer broke its side), this raises and the session is closed.

@@ -101,6 +101,10 @@ class KVSetupReply(KVMessage):
     transport: str = ""
     error: str = ""
     accept: PlaneAccept | None = None  # the chosen plane's answer (None for zmq)
+    final: bool = False
+    """A refusal that asking again cannot change (no transport in common): the sender stops trying
+    this peer. Any other refusal (the connection lost its handshake, a plane's set-up failed) ends
+    only this connection; the next request starts afresh."""
 
 
 class KVCommit(KVMessage):
@@ -120,6 +124,8 @@ class KVAck(KVMessage):
     request_id: str
     ok: bool
     error: str = ""
+    lost: bool = False
+    """The receiver holds no handshake for this connection (it lost it): the sender reconnects."""
 
 
 class KVRenew(KVMessage):

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from pdserve import kv_transfer
-from pdserve.kv_transfer import KVRefused, KVTransferError, ReservationTable
-from pdserve.kv_transfer.messages import KVCommit
+from pdserve.kv_transfer import KVHandshakeRefused, KVRefused, KVTransferError, ReservationTable
+from pdserve.kv_transfer.messages import KVCommit, KVSetupReply
 from pdserve.messages import NodeInfo
 
 L, NB, BS, H, D = 3, 16, 4, 2, 8
@@ -356,6 +356,52 @@ def _serve(name: str, conn) -> None:
             conn.send("ok")
         elif op == "state":  # (committed ids, expired ids, sum of the reserved blocks)
             conn.send(([c.request_id for c in r.commits], r.table.expired(), float(r.dst[:, blocks].sum())))
+
+
+def test_receiver_that_lost_a_connections_handshake_makes_its_sender_reconnect(pair):
+    """A receiver that no longer holds a connection's handshake (a bug, or state lost to a race)
+    answers the commit so; the sender fails that request and reconnects for the next, instead of
+    sending into a connection that every later request would find refused."""
+    src, r, sender = pair
+    r.table.add("a", [1], time.time() + 10)
+    assert _send(sender, r.address, "a", [0], [1]).result().ok
+    for peer in list(r.receiver._conns):
+        r.receiver._forget(peer)
+    r.table.add("b", [2], time.time() + 10)
+    with pytest.raises(KVTransferError, match="lost the connection's handshake"):
+        _send(sender, r.address, "b", [3], [2]).result()
+    assert "b" not in [c.request_id for c in r.commits]
+    r.table.add("c", [4], time.time() + 10)
+    assert _send(sender, r.address, "c", [5], [4]).result().ok
+    assert torch.equal(r.dst[:, 4], src[:, 5])
+
+
+@pytest.mark.parametrize("final", [False, True], ids=["passing", "final"])
+def test_a_set_up_refusal_stops_the_sender_only_when_final(final, monkeypatch):
+    """Only a refusal that asking again cannot change (no transport in common) is remembered for
+    the peer; any other (a plane's set-up failed, the connection lost its handshake) fails that
+    request, and the next one sets up afresh."""
+    src = torch.randn(L, NB, 2, BS, H, D)
+    r = Receiver("zmq")
+    sender = make_sender("zmq", src)
+    setup = r.receiver._setup
+    refusals = [KVSetupReply(ok=False, error="set-up failed", final=final)]
+    monkeypatch.setattr(r.receiver, "_setup", lambda *a: refusals.pop() if refusals else setup(*a))
+    try:
+        r.table.add("a", [1], time.time() + 10)
+        with pytest.raises(KVTransferError, match="set-up failed") as info:
+            _send(sender, r.address, "a", [0], [1]).result()
+        assert isinstance(info.value, KVHandshakeRefused) == final
+        r.table.add("b", [2], time.time() + 10)
+        if final:
+            with pytest.raises(KVHandshakeRefused):
+                _send(sender, r.address, "b", [3], [2]).result()
+        else:
+            assert _send(sender, r.address, "b", [3], [2]).result().ok
+            assert torch.equal(r.dst[:, 2], src[:, 3])
+    finally:
+        sender.close()
+        r.close()
 
 
 def _send_from_child(name: str, address: str, conn) -> None:
