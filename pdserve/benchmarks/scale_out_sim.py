@@ -51,10 +51,12 @@ pair, so measure the smallest first; one call per line on 16 cores (docs/benchma
     python -m pdserve.benchmarks.scale_out_sim --plot-only \\
         --output docs/benchmarks/scale_out_sim_h100host.json
 
-A dry run at tiny scale (a few minutes on 2 cores):
+A dry run at tiny scale (about 2 minutes a shape on 2 cores; the second run merges into the first's
+JSON and starts its sweeps at 1P1D's knees):
 
-    python -m pdserve.benchmarks.scale_out_sim --shapes 1P1D,2P2D --shared-rates 1,2 \\
-        --fresh-rates 2,4 --refine 1 --duration-s 3 --routing-duration-s 3 --output /tmp/sos.json
+    S="python -m pdserve.benchmarks.scale_out_sim --shared-rates 2,8,16 --fresh-rates 4,16,32 \\
+        --refine 1 --duration-s 3 --routing-duration-s 3 --output /tmp/sos.json"
+    $S --shapes 1P1D && $S --shapes 2P2D && $S --plot-only
 """
 
 from __future__ import annotations
@@ -211,7 +213,7 @@ class CpuMeter:
         after = {n: _cpu_s(pid) for n, pid in self.pids.items()}
         extra = {
             "host_busy_cores": (_host_busy_s() - self.host) / elapsed,
-            "host_cores": os.cpu_count() or 1,
+            "host_cores": cpu_count(),
             "clients": (clients, client_cpu_s),
         }
         return report.cpu_shares(self.before, after, elapsed, extra)
@@ -550,7 +552,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--workloads", default=",".join(report.WORKLOADS))
     p.add_argument(
-        "--shared-rates", type=_floats, default=[8, 16, 24, 32, 40], help="conversations/s per pair, rising"
+        "--shared-rates", type=_floats, default=[12, 24, 36, 48], help="conversations/s per pair, rising"
     )
     p.add_argument(
         "--fresh-rates", type=_floats, default=[12, 24, 36, 48], help="requests/s per pair, rising"
