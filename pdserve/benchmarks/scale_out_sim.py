@@ -3,59 +3,75 @@
 Every node runs ``--model sim:<shape>@<gpu>`` (``pdserve.engine.sim``): the real scheduler, block
 pool, prefix cache, leases, Redis prefix index and KV protocol, with step times modelled from this
 project's GPU benchmarks; so a 16-node cluster fits one CPU host. For each cluster shape
-(``1P1D``, ``2P2D``, ``4P4D``, ``8P8D``: prefill + decode nodes; ``2C``, ``16C``: co-located
-``--role both`` replicas), started once, fresh:
+(``1P1D``, ``2P2D``, ``4P4D``, ``8P8D``: prefill + decode nodes; ``2C`` .. ``16C``: co-located
+``--role both`` replicas), started fresh:
 
-1. two workloads, each swept over request rates that grow with the shape (``--shared-rates`` and
-   ``--fresh-rates`` per prefill+decode pair, times the shape's pairs: node count / 2):
+1. two workloads, each swept over request rates per prefill+decode pair (``--shared-rates``,
+   ``--fresh-rates``; times the shape's pairs, node count / 2):
    * ``shared-prefix``: multi-turn conversations (``--turns`` user turns of ``--turn-min``..
      ``--turn-max`` tokens) behind ``--prefixes`` system prompts of ``--prefix-len`` tokens per
      pair; every turn carries the earlier answers (rates are conversations per second);
    * ``fresh``: single prompts of ``--input-min``..``--input-max`` random tokens (requests/s);
    each rate offers its own prompts (its own slice, fresh prefixes), Poisson arrivals, for
    ``--duration-s``; the load comes from ``--clients`` ``pdserve bench serve`` processes at
-   rate / clients each, whose per-request records are merged;
-2. the **knee**: the highest rate at which >= 90 % of requests meet TTFT <= ``--slo-ttft-ms`` and
-   TPOT <= ``--slo-tpot-ms`` (DistServe's goodput rate); reported there: output tok/s, goodput
-   (requests/s meeting both SLOs), and whether the sweep passed its knee (else the knee is only a
-   lower bound: raise ``--rates``);
-3. prefix-aware against round-robin routing: the shared-prefix workload at
-   ``--routing-rate`` per pair through the cluster's proxy and through a second proxy with
-   ``--routing round-robin`` over the same nodes, each on fresh prefixes; the prompt tokens the
-   nodes computed (``pdserve_prompt_tokens_computed_total``) in each run;
-4. failures (requests that got no answer), and the CPU each part used while loaded (node
-   processes, the proxy and its workers, the load clients) as shares of a core: where a ceiling
-   that is not the simulated GPUs comes from.
+   rate / clients each, whose per-request records are merged. The rates rise until one misses the
+   SLOs, then ``--refine`` bisections close in on the **knee**: the highest rate at which >= 90 % of
+   requests meet TTFT <= ``--slo-ttft-ms`` and TPOT <= ``--slo-tpot-ms`` (DistServe's goodput rate).
+   A shape larger than the smallest of its kind also offers that one's knee rate per pair, so both
+   are measured at the same load per pair;
+2. prefix-aware against round-robin routing: the shared-prefix workload at ``--routing-rate`` per
+   pair through the cluster's proxy and through a second proxy with ``--routing round-robin`` over
+   the same nodes, each on fresh prefixes; the prompt tokens the nodes computed
+   (``pdserve_prompt_tokens_computed_total``) in each;
+3. failures (requests that got no answer), and the CPU each part used at each point (every node by
+   role, each proxy worker, the load clients, the whole host), as shares of a core: the part
+   nearest its limit is named, so a ceiling that is not the simulated GPUs shows.
 
-Writes ``summary.json`` and, with matplotlib, ``scale_out.png`` (output tok/s and goodput at the
-knee against node count, with linear scaling from the smallest shape) and ``routing.png`` under
-``--out-dir``. Nodes run with ``--node-flags`` (by default ``--max-num-seqs 32``: a decode node then
-streams about 3,000 tok/s, so 8 of them stay within what the proxy and the clients carry on 16
-cores; the scaling, not the absolute figure, is what the study measures). On a 16-core host the
-default study (6 shapes, 2 workloads x 3 rates x 4 s, the routing check) takes about 7 minutes.
-The default rates put a pair's knee (about 15 conversations/s, 30 fresh requests/s with 32
-sequences per decode node) inside each sweep, with the top rate well past it so that its queue
-builds within a short run:
+The proxy grows with the cluster: ``--proxy-workers 0`` (the default) runs one worker per
+``--streams-per-proxy-worker`` decode (or co-located) nodes, at most half the host's cores.
 
-    python -m pdserve.benchmarks.scale_out_sim --out-dir docs/benchmarks/scale_out_sim_16core
+**One JSON, many runs.** Everything goes into ``--output`` (``scale_out_sim_report`` describes it),
+written after every point, merged with what earlier runs put there: a run measures the shapes it is
+given (``--shapes``, ``--workloads``, ``--routing-duration-s 0`` to skip the routing check), skips
+what the JSON already holds complete (``--redo`` measures it again) and stops starting points once
+``--budget-s`` is nearly spent, so a machine lent for ten minutes at a time runs the study in a few
+calls, each repeatable until done. ``--plot-only`` draws the PNGs beside the JSON from what it holds
+(``<output>.png``: output tok/s and goodput at the knee against node count; ``<output>_sweeps.png``;
+``<output>_routing.png``). Nodes run with ``--node-flags`` (by default ``--max-num-seqs 32``: a
+decode node then streams about 3,000 tok/s, so 8 of them stay within what the proxy and the clients
+carry on 16 cores; the scaling, not the absolute figure, is what the study measures).
 
-A quick dry run at tiny scale (a few minutes on 2 cores):
+A shape larger than the smallest measured one of its kind starts its sweeps at that one's knee per
+pair, so measure the smallest first; one call per line on 16 cores (docs/benchmarks/README.md):
 
-    python -m pdserve.benchmarks.scale_out_sim --shapes 1P1D,2P2D --shared-rates 1,2 \\
-        --fresh-rates 2,4 --duration-s 3 --routing-duration-s 3 --out-dir /tmp/scale_out_sim
+    python -m pdserve.benchmarks.scale_out_sim --shapes 1P1D,2C \\
+        --output docs/benchmarks/scale_out_sim_h100host.json --budget-s 420
+    python -m pdserve.benchmarks.scale_out_sim --shapes 8P8D \\
+        --output docs/benchmarks/scale_out_sim_h100host.json --budget-s 420
+    python -m pdserve.benchmarks.scale_out_sim --plot-only \\
+        --output docs/benchmarks/scale_out_sim_h100host.json
+
+A dry run at tiny scale (about 2 minutes a shape on 2 cores; the second run merges into the first's
+JSON and starts its sweeps at 1P1D's knees):
+
+    S="python -m pdserve.benchmarks.scale_out_sim --shared-rates 2,8,16 --fresh-rates 4,16,32 \\
+        --refine 1 --duration-s 3 --routing-duration-s 3 --output /tmp/sos.json"
+    $S --shapes 1P1D && $S --shapes 2P2D && $S --plot-only
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
-import importlib.util
 import json
 import math
 import os
 import platform
 import random
 import re
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -65,16 +81,15 @@ from pathlib import Path
 
 import httpx
 
-from pdserve.benchmarks.serve_metrics import SLO, max_goodput_rate, summarize
-from pdserve.benchmarks.serve_report import jsonable, record_from_json
+from pdserve.benchmarks import scale_out_sim_report as report
+from pdserve.benchmarks.serve_metrics import SLO, summarize
+from pdserve.benchmarks.serve_report import record_from_json
 from pdserve.cluster import ClusterConfig, LocalCluster, free_port
 from pdserve.config import ModelConfig, cpu_count
 from pdserve.metrics import parse_text
 from pdserve.utils import child_pids
 
 SHAPES = ("1P1D", "2P2D", "4P4D", "8P8D", "2C", "16C")
-WORKLOADS = ("shared-prefix", "fresh")
-ATTAINMENT_TARGET = 0.9
 
 
 @dataclass(frozen=True)
@@ -100,6 +115,13 @@ class Shape:
     def pairs(self) -> float:
         """What the load is scaled by: prefill+decode pairs, or co-located nodes / 2."""
         return self.num_nodes / 2
+
+
+def default_proxy_workers(shape: Shape, cores: int, streams_per_worker: float = 1.0) -> int:
+    """Proxy workers for ``shape``: one per ``streams_per_worker`` nodes that stream tokens (decode
+    and co-located), at most half the host's cores (the nodes and the load need the rest)."""
+    streaming = shape.decode + shape.both
+    return max(1, min(math.ceil(streaming / streams_per_worker), cores // 2))
 
 
 # -- workloads -------------------------------------------------------------------------------
@@ -151,21 +173,50 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / _TICK
 
 
-def _groups(cluster: LocalCluster) -> dict[str, list[int]]:
-    """Process ids by part: each node, and the proxies with their workers."""
-    out: dict[str, list[int]] = {}
+def _host_busy_s() -> float:
+    """CPU seconds the whole host spent busy (all cores; /proc/stat less idle and iowait)."""
+    try:
+        values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except OSError:
+        return 0.0
+    return (sum(values[:8]) - values[3] - values[4]) / _TICK
+
+
+def _processes(cluster: LocalCluster) -> dict[str, int]:
+    """Process ids by name: each node (``decode-3``), each proxy (``proxy-0``) and its workers
+    (``proxy-0.w1``; a proxy of one worker runs it in its own process: ``proxy-0.w0``)."""
+    out: dict[str, int] = {}
     for child in cluster.children:
         if child.proc.poll() is not None:
             continue
-        pids = [child.proc.pid]
-        if child.role.startswith("proxy"):
-            pids += child_pids(child.proc.pid)
-        out[child.role] = pids
+        workers = sorted(child_pids(child.proc.pid)) if child.role.startswith("proxy") else []
+        if child.role.startswith("proxy") and not workers:
+            out[f"{child.role}.w0"] = child.proc.pid
+            continue
+        out[child.role] = child.proc.pid
+        for i, pid in enumerate(workers):
+            out[f"{child.role}.w{i}"] = pid
     return out
 
 
-def _cpu_snapshot(groups: dict[str, list[int]]) -> dict[str, float]:
-    return {name: sum(_cpu_s(pid) for pid in pids) for name, pids in groups.items()}
+class CpuMeter:
+    """CPU each process (and the host) used over one load; ``stop`` gives ``report.cpu_shares``."""
+
+    def __init__(self, cluster: LocalCluster) -> None:
+        self.pids = _processes(cluster)
+        self.before = {n: _cpu_s(pid) for n, pid in self.pids.items()}
+        self.host = _host_busy_s()
+        self.wall = time.monotonic()
+
+    def stop(self, clients: int, client_cpu_s: float) -> dict:
+        elapsed = max(1e-6, time.monotonic() - self.wall)
+        after = {n: _cpu_s(pid) for n, pid in self.pids.items()}
+        extra = {
+            "host_busy_cores": (_host_busy_s() - self.host) / elapsed,
+            "host_cores": cpu_count(),
+            "clients": (clients, client_cpu_s),
+        }
+        return report.cpu_shares(self.before, after, elapsed, extra)
 
 
 # -- one load --------------------------------------------------------------------------------
@@ -182,29 +233,55 @@ def _prompt_tokens_computed(cluster: LocalCluster) -> float:
 
 
 def offer(
-    url: str, workload: str, rate: float, shape: Shape, work: Path, tag: str, rng, args, shift: int = 0
+    cluster: LocalCluster,
+    url: str,
+    workload: str,
+    rate: float,
+    duration_s: float,
+    shape: Shape,
+    work: Path,
+    tag: str,
+    rng,
+    args,
+    shift: int = 0,
 ) -> dict:
-    """The workload at ``rate`` for ``--duration-s`` from ``--clients`` bench processes; merged."""
+    """The workload at ``rate`` for ``duration_s`` from ``--clients`` bench processes; merged, with
+    the CPU every part used meanwhile."""
     clients = max(1, min(args.clients or math.ceil(shape.num_nodes / 4), 8))
-    num = max(clients, round(rate * args.duration_s))
+    num = max(clients, round(rate * duration_s))
     procs = []
     outs = []
     for k in range(clients):
         data = work / f"{tag}-c{k}.jsonl"
         share = num // clients + (k < num % clients)
         write_slice(data, workload, share, shape.pairs / clients, rng, args, shift)
-        out = work / f"{tag}-c{k}.json"
+        outs.append(work / f"{tag}-c{k}.json")
+    meter = CpuMeter(cluster)
+    started = os.times()
+    for k, out in enumerate(outs):
+        share = num // clients + (k < num % clients)
         cmd = [sys.executable, "-m", "pdserve", "bench", "serve", "--base-url", url]
-        cmd += ["--endpoint", "/v1/completions", "--dataset", "jsonl", "--dataset-path", str(data)]
+        cmd += [
+            "--endpoint",
+            "/v1/completions",
+            "--dataset",
+            "jsonl",
+            "--dataset-path",
+            str(out.with_suffix(".jsonl")),
+        ]
         cmd += ["--num-prompts", str(share), "--request-rate", f"{rate / clients:g}", "--seed", str(k)]
         cmd += ["--slo-ttft-ms", str(args.slo_ttft_ms), "--slo-tpot-ms", str(args.slo_tpot_ms)]
         cmd += ["--request-timeout-s", "120", "--disable-tqdm", "--label", tag, "--output-json", str(out)]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
-        outs.append(out)
+    errs = [proc.communicate()[1] for proc in procs]
+    ended = os.times()
+    cpu = meter.stop(
+        clients,
+        (ended.children_user + ended.children_system) - (started.children_user + started.children_system),
+    )
     records = []
     duration = 0.0
-    for proc, out in zip(procs, outs):
-        _, err = proc.communicate()
+    for proc, out, err in zip(procs, outs, errs):
         if not out.is_file():
             raise RuntimeError(f"pdserve bench serve failed (exit {proc.returncode}): {err[-2000:]}")
         (run,) = json.loads(out.read_text())["runs"]
@@ -213,6 +290,7 @@ def offer(
     s = summarize(records, duration, SLO(args.slo_ttft_ms, args.slo_tpot_ms))
     return {
         "rate": rate,
+        "rate_per_pair": rate / shape.pairs,
         "clients": clients,
         "requests": s.num_requests,
         "failed": s.num_failed,
@@ -228,64 +306,116 @@ def offer(
         "prompt_tokens": s.total_input_tokens,
         "cached_prompt_tokens": s.total_cached_tokens,
         "errors": sorted({r.error[:120] for r in records if r.error})[:5],
+        "cpu": cpu,
     }
 
 
-def sweep(cluster: LocalCluster, url: str, workload: str, shape: Shape, work: Path, rng, args) -> dict:
-    rates = [
-        r * shape.pairs for r in (args.shared_rates if workload == "shared-prefix" else args.fresh_rates)
-    ]
-    points = []
-    cpu = {}
-    for i, rate in enumerate(rates):
-        groups = _groups(cluster)
-        before, wall, children = _cpu_snapshot(groups), time.monotonic(), os.times()
-        point = offer(url, workload, rate, shape, work, f"{shape.name}-{workload}-{i}", rng, args)
-        elapsed = time.monotonic() - wall
-        after, now = _cpu_snapshot(groups), os.times()
-        clients_s = (now.children_user + now.children_system) - (
-            children.children_user + children.children_system
+# -- one shape -------------------------------------------------------------------------------
+
+
+class OutOfBudget(Exception):
+    """Too little of ``--budget-s`` is left to start the next point."""
+
+
+class Study:
+    """The JSON being filled, the run's clock and budget."""
+
+    def __init__(self, path: Path, data: dict, run_index: int, budget_s: float) -> None:
+        self.path = path
+        self.data = data
+        self.run = run_index
+        self.started = time.monotonic()
+        self.budget_s = budget_s
+        self.longest_point_s = 0.0
+
+    def save(self) -> None:
+        self.data["runs"][self.run]["elapsed_s"] = time.monotonic() - self.started
+        report.write(self.data, self.path)
+
+    def left_s(self) -> float:
+        return self.budget_s - (time.monotonic() - self.started) if self.budget_s else math.inf
+
+    def check(self, need_s: float) -> None:
+        if self.left_s() < need_s:
+            raise OutOfBudget(
+                f"{self.left_s():.0f} s of --budget-s left, the next step needs ~{need_s:.0f} s"
+            )
+
+    def point_estimate_s(self, args) -> float:
+        return max(self.longest_point_s, args.duration_s + 10.0)
+
+
+def _rates(study: Study, shape: Shape, workload: str, args) -> tuple[list[float], float | None]:
+    """Absolute rates of the coarse sweep (the per-pair rates times the shape's pairs) and where it
+    starts: for a shape larger than the smallest measured one of its kind, at that one's knee per
+    pair (added to the coarse rates), so both are measured at the same load per pair and a shape
+    that scales needs few points; else at the lowest rate."""
+    per_pair = set(args.shared_rates if workload == "shared-prefix" else args.fresh_rates)
+    start = None
+    base = report.scaling(study.data["shapes"], workload).get("colocated" if shape.both else "pd")
+    smaller = base and study.data["shapes"][base["base"]]["nodes"] < shape.num_nodes
+    if smaller and (k := base["shapes"][base["base"]]["knee_rate_per_pair"]):
+        per_pair.add(k)
+        start = round(k * shape.pairs, 3)
+    return sorted(round(r * shape.pairs, 3) for r in per_pair), start
+
+
+def sweep(
+    study: Study, cluster: LocalCluster, url: str, workload: str, shape: Shape, work: Path, rng, args
+) -> None:
+    coarse, start = _rates(study, shape, workload, args)
+    entry = {
+        "run": study.run,
+        "proxy_workers": args.workers_now,
+        "coarse_rates": coarse,
+        "start_rate": start,
+        "points": [],
+        "complete": False,
+    }
+    study.data["shapes"][shape.name][workload] = entry
+    study.save()
+    while (rate := report.next_rate(entry["points"], coarse, args.refine, start)) is not None:
+        study.check(study.point_estimate_s(args))
+        t0 = time.monotonic()
+        point = offer(
+            cluster,
+            url,
+            workload,
+            rate,
+            args.duration_s,
+            shape,
+            work,
+            f"{shape.name}-{workload}-{rate:g}",
+            rng,
+            args,
         )
-        point["cpu_cores"] = _cpu_shares(before, after, clients_s, elapsed)
-        cpu = point["cpu_cores"]
-        points.append(point)
+        point["elapsed_s"] = time.monotonic() - t0
+        study.longest_point_s = max(study.longest_point_s, point["elapsed_s"])
+        entry["points"].append(point)
+        study.save()
+        cpu = point["cpu"]
+        b = report.busiest(cpu)
+        roles = ", ".join(f"{r} max {v['max']:.2f}" for r, v in cpu["roles"].items())
+        p, proxy = point, cpu["proxy"]
         print(
-            f"  {shape.name} {workload} rate {rate:g}: attainment {point['slo_attainment'] or 0:.2f}, "
-            f"{point['output_tok_s']:.0f} output tok/s, {point['failed']} failed, "
-            f"TTFT p50 {point['ttft_p50_ms'] or 0:.0f} ms, TPOT p50 {point['tpot_p50_ms'] or 0:.1f} ms; "
-            f"CPU cores: nodes {cpu['nodes_total']:.2f} (max {cpu['node_max']:.2f}), "
-            f"proxy {cpu['proxy']:.2f}, clients {cpu['clients']:.2f}",
+            f"  {shape.name} {workload} rate {rate:g} ({p['rate_per_pair']:g}/pair): attainment "
+            f"{p['slo_attainment'] or 0:.2f}, {p['output_tok_s']:.0f} output tok/s, {p['failed']} failed, "
+            f"TTFT p50 {p['ttft_p50_ms'] or 0:.0f} ms, TPOT p50 {p['tpot_p50_ms'] or 0:.1f} ms; cores: "
+            f"host {cpu['host_busy_cores']:.1f}/{cpu['host_cores']}, {roles}, proxy {proxy['total']:.2f} "
+            f"(worker max {proxy['worker_max']:.2f}), clients {cpu['clients']['total']:.2f}; "
+            f"busiest {b['part']} {b['load']:.2f}; {p['elapsed_s']:.0f} s",
             flush=True,
         )
-    knee = max_goodput_rate([(p["rate"], p["slo_attainment"]) for p in points], ATTAINMENT_TARGET)
-    at_knee = next((p for p in points if p["rate"] == knee), None)
-    return {
-        "points": points,
-        "knee_rate": knee,
-        "knee_is_lower_bound": knee == rates[-1],
-        "output_tok_s_at_knee": at_knee["output_tok_s"] if at_knee else 0.0,
-        "goodput_req_s_at_knee": at_knee["goodput_req_s"] if at_knee else 0.0,
-        "failed": sum(p["failed"] for p in points),
-    }
+    entry["complete"] = True
+    entry.update({k: v for k, v in report.knee(entry["points"]).items() if k != "busiest_at_knee"})
+    study.save()
 
 
-def _cpu_shares(before: dict, after: dict, clients_s: float, elapsed: float) -> dict:
-    used = {name: (after[name] - before.get(name, 0.0)) / elapsed for name in after}
-    nodes = {n: v for n, v in used.items() if not n.startswith("proxy")}
-    return {
-        "nodes_total": sum(nodes.values()),
-        "node_max": max(nodes.values(), default=0.0),
-        "node_mean": sum(nodes.values()) / max(1, len(nodes)),
-        "proxy": sum(v for n, v in used.items() if n.startswith("proxy")),
-        "clients": clients_s / elapsed,
-        "per_process": used,
-    }
-
-
-def routing_check(cluster: LocalCluster, url: str, shape: Shape, work: Path, args) -> dict:
+def routing_check(study: Study, cluster: LocalCluster, url: str, shape: Shape, work: Path, args) -> None:
     """Prompt tokens the nodes computed for the same shared-prefix load (the same lengths, arrivals and
     sharing, other token ids: nothing cached by the first run), prefix-aware then round-robin."""
-    flags = ["--routing", "round-robin", "--workers", str(args.proxy_workers or _proxy_workers(shape))]
+    study.check(2 * study.point_estimate_s(args) + 15)
+    flags = ["--routing", "round-robin", "--workers", str(args.workers_now)]
     for role in ("prefill", "decode", "both"):
         urls = cluster.node_urls(role)
         if urls:
@@ -293,51 +423,55 @@ def routing_check(cluster: LocalCluster, url: str, shape: Shape, work: Path, arg
     if cluster.redis_url:
         flags += ["--redis-url", cluster.redis_url]
     rr_url = cluster.add_proxy(*flags)
-    rate = args.routing_rate * shape.pairs
-    out = {"rate": rate, "prefix_index": bool(cluster.redis_url)}
-    saved = args.duration_s
-    args.duration_s = args.routing_duration_s
-    try:
-        for shift, (policy, target) in enumerate((("prefix-aware", url), ("round-robin", rr_url))):
-            before = _prompt_tokens_computed(cluster)
-            rng = random.Random(f"{args.seed}-{shape.name}-routing")
-            point = offer(
-                target,
-                "shared-prefix",
-                rate,
-                shape,
-                work,
-                f"{shape.name}-routing-{policy}",
-                rng,
-                args,
-                shift * 7919,
-            )
-            time.sleep(0.5)  # the last steps' counters
-            computed = _prompt_tokens_computed(cluster) - before
-            out[policy] = {
-                "prompt_tokens_computed": computed,
-                "prompt_tokens_sent": point["prompt_tokens"],
-                "computed_share": computed / point["prompt_tokens"] if point["prompt_tokens"] else None,
-                "failed": point["failed"],
-                "requests": point["requests"],
-                "cached_prompt_tokens": point["cached_prompt_tokens"],
-            }
-    finally:
-        args.duration_s = saved
+    rate = round(args.routing_rate * shape.pairs, 3)
+    out = {"run": study.run, "rate": rate, "prefix_index": bool(cluster.redis_url), "complete": False}
+    study.data["shapes"][shape.name]["routing"] = out
+    for shift, (policy, target) in enumerate((("prefix-aware", url), ("round-robin", rr_url))):
+        before = _prompt_tokens_computed(cluster)
+        rng = random.Random(f"{args.seed}-{shape.name}-routing")
+        tag = f"{shape.name}-routing-{policy}"
+        point = offer(
+            cluster,
+            target,
+            "shared-prefix",
+            rate,
+            args.routing_duration_s,
+            shape,
+            work,
+            tag,
+            rng,
+            args,
+            shift * 7919,
+        )
+        time.sleep(0.5)  # the last steps' counters
+        computed = _prompt_tokens_computed(cluster) - before
+        out[policy] = {
+            "prompt_tokens_computed": computed,
+            "prompt_tokens_sent": point["prompt_tokens"],
+            "computed_share": computed / point["prompt_tokens"] if point["prompt_tokens"] else None,
+            "failed": point["failed"],
+            "requests": point["requests"],
+            "cached_prompt_tokens": point["cached_prompt_tokens"],
+            "slo_attainment": point["slo_attainment"],
+            "output_tok_s": point["output_tok_s"],
+        }
+        study.save()
     pa, rr = out["prefix-aware"]["prompt_tokens_computed"], out["round-robin"]["prompt_tokens_computed"]
     out["prefix_aware_over_round_robin"] = pa / rr if rr else None
+    out["complete"] = True
+    study.save()
     print(
         f"  {shape.name} routing: computed prompt tokens prefix-aware {pa:.0f}, round-robin {rr:.0f}",
         flush=True,
     )
-    return out
 
 
-def _proxy_workers(shape: Shape) -> int:
-    return max(1, min(8, math.ceil(shape.num_nodes / 2)))
-
-
-def run_shape(shape: Shape, work: Path, args) -> dict:
+def run_shape(study: Study, shape: Shape, todo: list[str], work: Path, args) -> None:
+    args.workers_now = args.proxy_workers or default_proxy_workers(
+        shape, cpu_count(), args.streams_per_proxy_worker
+    )
+    # Starting 16 nodes takes a while; leave room for it and one point.
+    study.check(30 + 4 * shape.num_nodes + study.point_estimate_s(args))
     cfg = ClusterConfig(
         port=free_port(),
         prefill_nodes=shape.prefill,
@@ -345,7 +479,7 @@ def run_shape(shape: Shape, work: Path, args) -> dict:
         both_nodes=shape.both,
         threads_per_node=1,
         routing="prefix-aware",
-        proxy_workers=args.proxy_workers or _proxy_workers(shape),
+        proxy_workers=args.workers_now,
         startup_timeout_s=300.0,
         log_dir=str(work / f"logs-{shape.name}"),
         extra_node_flags=args.node_flags,
@@ -356,127 +490,79 @@ def run_shape(shape: Shape, work: Path, args) -> dict:
     try:
         url = cluster.start()
         startup_s = time.monotonic() - started
-        print(f"{shape.name}: {shape.num_nodes} nodes up in {startup_s:.0f} s", flush=True)
-        out = {"nodes": shape.num_nodes, "prefill": shape.prefill, "decode": shape.decode, "both": shape.both}
-        out["startup_s"] = startup_s
-        out["proxy_workers"] = cfg.proxy_workers
-        out["prefix_index"] = bool(cluster.redis_url)
-        for workload in args.workloads:
-            out[workload] = sweep(cluster, url, workload, shape, work, rng, args)
-        if args.routing_duration_s > 0:
-            out["routing"] = routing_check(cluster, url, shape, work, args)
+        up = f"{shape.num_nodes} nodes + {args.workers_now} proxy workers"
+        print(f"{shape.name}: {up} up in {startup_s:.0f} s", flush=True)
+        entry = report.shape_entry(study.data, shape.name, shape.prefill, shape.decode, shape.both)
+        entry["startup_s"] = startup_s
+        entry["prefix_index"] = bool(cluster.redis_url)
+        for key in todo:
+            if key == "routing":
+                routing_check(study, cluster, url, shape, work, args)
+            else:
+                sweep(study, cluster, url, key, shape, work, rng, args)
     finally:
         cluster.stop()
-    return out
 
 
 # -- the study -------------------------------------------------------------------------------
 
 
-def scaling(shapes: dict[str, dict], workload: str) -> dict:
-    """Output tok/s at the knee per node, against the smallest disaggregated (and co-located) shape."""
-    out = {}
-    for kind in ("pd", "colocated"):
-        names = [n for n, s in shapes.items() if (s["both"] == 0) == (kind == "pd") and workload in s]
-        if not names:
-            continue
-        base_name = min(names, key=lambda n: shapes[n]["nodes"])
-        base = shapes[base_name]
-        per_node = base[workload]["output_tok_s_at_knee"] / base["nodes"]
-        out[kind] = {
-            "base": base_name,
-            "shapes": {
-                n: {
-                    "nodes": shapes[n]["nodes"],
-                    "output_tok_s_at_knee": shapes[n][workload]["output_tok_s_at_knee"],
-                    "share_of_linear": shapes[n][workload]["output_tok_s_at_knee"]
-                    / (per_node * shapes[n]["nodes"])
-                    if per_node
-                    else None,
-                    "knee_is_lower_bound": shapes[n][workload]["knee_is_lower_bound"],
-                }
-                for n in sorted(names, key=lambda n: shapes[n]["nodes"])
-            },
-        }
-    return out
-
-
-def plot(summary: dict, out_dir: Path) -> list[str]:
-    if importlib.util.find_spec("matplotlib") is None:
-        return []
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    shapes = summary["shapes"]
-    written = []
-    workloads = summary["args"]["workloads"]
-    fig, axes = plt.subplots(2, len(workloads), figsize=(6 * len(workloads), 9), squeeze=False)
-    for col, workload in enumerate(workloads):
-        for row, (key, label) in enumerate(
+def describe_host(label: str) -> dict:
+    """The machine the run measured on: its cores, CPU model and GPUs (named even though the nodes
+    only simulate theirs: the host's CPUs are what the study loads)."""
+    cpu_model = ""
+    with contextlib.suppress(OSError):
+        cpu_model = next(
             (
-                ("output_tok_s_at_knee", "output tok/s at the knee"),
-                ("goodput_req_s_at_knee", "goodput (req/s)"),
-            )
-        ):
-            ax = axes[row][col]
-            for kind, marker in (("pd", "o"), ("colocated", "s")):
-                names = sorted(
-                    (n for n, s in shapes.items() if (s["both"] == 0) == (kind == "pd") and workload in s),
-                    key=lambda n: shapes[n]["nodes"],
-                )
-                if not names:
-                    continue
-                xs = [shapes[n]["nodes"] for n in names]
-                ys = [shapes[n][workload][key] for n in names]
-                ax.plot(xs, ys, marker=marker, label="P/D" if kind == "pd" else "co-located")
-                for x, y, n in zip(xs, ys, names):
-                    ax.annotate(n, (x, y), textcoords="offset points", xytext=(4, -10), fontsize=8)
-                if ys[0]:
-                    ax.plot(xs, [ys[0] * x / xs[0] for x in xs], ls="--", lw=0.8, color="gray")
-            ax.set_xscale("log", base=2)
-            ax.set_xlabel("nodes")
-            ax.set_ylabel(label)
-            ax.set_title(f"{workload}: {label} (dashed: linear)")
-            ax.legend()
-    fig.suptitle(f"{summary['model']}: scale-out on simulated nodes ({summary['host_cores']} cores)")
-    fig.tight_layout()
-    path = out_dir / "scale_out.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    written.append(str(path))
-    routed = [(n, s["routing"]) for n, s in shapes.items() if "routing" in s]
-    if routed:
-        fig, ax = plt.subplots(figsize=(8, 4.5))
-        xs = range(len(routed))
-        ax.bar([x - 0.2 for x in xs], [r["prefix-aware"]["prompt_tokens_computed"] for _, r in routed], 0.4)
-        ax.bar([x + 0.2 for x in xs], [r["round-robin"]["prompt_tokens_computed"] for _, r in routed], 0.4)
-        ax.set_xticks(list(xs), [n for n, _ in routed])
-        ax.legend(["prefix-aware", "round-robin"])
-        ax.set_ylabel("prompt tokens computed")
-        ax.set_title("shared-prefix workload, same offered load")
-        fig.tight_layout()
-        path = out_dir / "routing.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(str(path))
-    return written
+                line.split(":", 1)[1].strip()
+                for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")
+            ),
+            "",
+        )
+    gpus = []
+    if shutil.which("nvidia-smi"):
+        try:
+            out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20).stdout
+            gpus = [line.strip() for line in out.splitlines() if line.strip()]
+        except (OSError, subprocess.SubprocessError):
+            pass
+    cores = cpu_count()
+    device = label or f"{cores}-core host ({cpu_model or platform.machine()})" + (
+        f" of {gpus[0].split(' (')[0]}" if gpus else ""
+    )
+    return {
+        "device": device,
+        "host": platform.node(),
+        "cores": cores,
+        "cpu_model": cpu_model,
+        "gpus": gpus,
+        "python": platform.python_version(),
+        "load_avg_at_start": list(os.getloadavg()),
+    }
 
 
 def _floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x.strip()]
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="sim:llama-3-8b@h100")
     p.add_argument("--shapes", default=",".join(SHAPES))
-    p.add_argument("--workloads", default=",".join(WORKLOADS))
+    p.add_argument("--workloads", default=",".join(report.WORKLOADS))
     p.add_argument(
-        "--shared-rates", type=_floats, default=[6, 12, 24], help="conversations/s per prefill+decode pair"
+        "--shared-rates", type=_floats, default=[12, 24, 36, 48], help="conversations/s per pair, rising"
     )
-    p.add_argument("--fresh-rates", type=_floats, default=[12, 24, 48], help="requests/s per pair")
+    p.add_argument(
+        "--fresh-rates", type=_floats, default=[12, 24, 36, 48], help="requests/s per pair, rising"
+    )
+    p.add_argument(
+        "--refine",
+        type=int,
+        default=2,
+        help="bisections between the last rate within the SLOs and the first not",
+    )
     p.add_argument("--duration-s", type=float, default=4.0, help="of each rate's offered load")
     p.add_argument("--routing-rate", type=float, default=6.0, help="conversations/s per pair")
     p.add_argument("--routing-duration-s", type=float, default=3.0, help="0: no routing comparison")
@@ -492,8 +578,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     p.add_argument("--slo-tpot-ms", type=float, default=50.0)
     p.add_argument("--vocab", type=int, default=32000, help="prompt token ids are drawn below this")
-    p.add_argument("--clients", type=int, default=0, help="bench processes per load; 0: one per 4 nodes")
-    p.add_argument("--proxy-workers", type=int, default=0, help="0: one per 2 nodes, at most 8")
+    p.add_argument(
+        "--clients", type=int, default=0, help="bench processes per load; 0: one per 4 nodes, at most 8"
+    )
+    p.add_argument(
+        "--proxy-workers", type=int, default=0, help="0: grow with the shape (--streams-per-proxy-worker)"
+    )
+    p.add_argument(
+        "--streams-per-proxy-worker",
+        type=float,
+        default=1.0,
+        help="decode (or co-located) nodes per proxy worker when --proxy-workers is 0 (at most half "
+        "the cores)",
+    )
     p.add_argument(
         "--node-flags",
         default="--max-num-seqs 32",
@@ -502,57 +599,90 @@ def main(argv: list[str] | None = None) -> None:
         "can carry on 16 cores",
     )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out-dir", default="scale_out_sim")
+    p.add_argument(
+        "--output", default="docs/benchmarks/scale_out_sim.json", help="the study's JSON (merged into)"
+    )
+    p.add_argument("--replace", action="store_true", help="start a new study at --output instead of merging")
+    p.add_argument("--redo", action="store_true", help="measure again what --output already holds complete")
+    p.add_argument(
+        "--budget-s", type=float, default=0.0, help="start no point that would end after this; 0: none"
+    )
+    p.add_argument(
+        "--device",
+        default="",
+        help="how to name the machine in the JSON; empty: from its cores, CPU and GPUs",
+    )
+    p.add_argument("--plot-only", action="store_true", help="draw the PNGs from --output and measure nothing")
     args = p.parse_args(argv)
     args.workloads = [w for w in args.workloads.split(",") if w]
-    if unknown := set(args.workloads) - set(WORKLOADS):
-        p.error(f"unknown workloads {sorted(unknown)}; choose from {WORKLOADS}")
-    shapes_in = [Shape.parse(n) for n in args.shapes.split(",") if n]
-    out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="scale-out-sim-"))
-    started = time.monotonic()
-    shapes = {}
-    for shape in shapes_in:
-        shapes[shape.name] = run_shape(shape, work, args)
-    summary = {
-        "benchmark": "scale_out_sim",
-        "simulated": True,
-        "model": args.model,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(["python -m pdserve.benchmarks.scale_out_sim", *(argv or sys.argv[1:])]),
-        "host": platform.node(),
-        "host_cores": cpu_count(),
-        "python": platform.python_version(),
-        "args": {k: v for k, v in vars(args).items()},
-        "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms, "attainment": ATTAINMENT_TARGET},
-        "shapes": shapes,
-        "scaling": {w: scaling(shapes, w) for w in args.workloads},
-        "failed_requests": sum(s[w]["failed"] for s in shapes.values() for w in args.workloads)
-        + sum(
-            s["routing"][p]["failed"]
-            for s in shapes.values()
-            if "routing" in s
-            for p in ("prefix-aware", "round-robin")
-        ),
-        "elapsed_s": time.monotonic() - started,
-        "logs": str(work),
-    }
-    summary["plots"] = plot(summary, out_dir)
-    (out_dir / "summary.json").write_text(json.dumps(jsonable(summary), indent=1) + "\n")
-    for w in args.workloads:
-        for kind, sc in summary["scaling"][w].items():
-            line = ", ".join(
-                f"{n} {v['output_tok_s_at_knee']:.0f} tok/s ({v['share_of_linear'] or 0:.2f} of linear"
-                f"{', knee not reached' if v['knee_is_lower_bound'] else ''})"
-                for n, v in sc["shapes"].items()
-            )
-            print(f"{w} {kind}: {line}")
-    print(
-        f"failed requests: {summary['failed_requests']}; {summary['elapsed_s']:.0f} s; "
-        f"{out_dir / 'summary.json'}"
+    if unknown := set(args.workloads) - set(report.WORKLOADS):
+        p.error(f"unknown workloads {sorted(unknown)}; choose from {report.WORKLOADS}")
+    try:
+        args.shape_list = [Shape.parse(n) for n in args.shapes.split(",") if n]
+    except ValueError as e:
+        p.error(str(e))
+    return args
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    path = Path(args.output)
+    if args.plot_only:
+        data = report.read(path)
+        report.write(data, path)
+        for line in report.report_lines(data):
+            print(line)
+        print("plots:", ", ".join(report.plot(data, path)) or "none (matplotlib is not installed)")
+        return 0
+    study_args = {k: getattr(args, k) for k in report.STUDY_KEYS}
+    try:
+        data = report.open_study(path, study_args, args.replace)
+    except report.StudyMismatch as e:
+        print(f"scale_out_sim: {e}", file=sys.stderr)
+        return 2
+    data["runs"].append(
+        {
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": " ".join(
+                ["python -m pdserve.benchmarks.scale_out_sim", *(argv if argv is not None else sys.argv[1:])]
+            ),
+            **describe_host(args.device),
+            "args": {k: v for k, v in vars(args).items() if k != "shape_list"},
+            "status": "running",
+        }
     )
+    study = Study(path, data, len(data["runs"]) - 1, args.budget_s)
+    study.save()
+    work = Path(tempfile.mkdtemp(prefix="scale-out-sim-"))
+    signal.signal(signal.SIGTERM, _interrupt)  # so the clusters stop (finally) and the run says so
+    status = "done"
+    try:
+        for shape in args.shape_list:
+            keys = [*args.workloads] + (["routing"] if args.routing_duration_s > 0 else [])
+            todo = [k for k in keys if args.redo or not report.is_done(data, shape.name, k)]
+            if skipped := [k for k in keys if k not in todo]:
+                print(
+                    f"{shape.name}: {', '.join(skipped)} already in {path} (--redo measures again)",
+                    flush=True,
+                )
+            if todo:
+                run_shape(study, shape, todo, work, args)
+    except OutOfBudget as e:
+        status = f"stopped: {e}"
+    except KeyboardInterrupt as e:
+        status = f"interrupted ({e or 'SIGINT'})"
+    data["runs"][study.run]["status"] = status
+    data["runs"][study.run]["logs"] = str(work)
+    study.save()
+    for line in report.report_lines(data):
+        print(line)
+    print(f"{status}; {time.monotonic() - study.started:.0f} s; {path} (logs: {work})")
+    return 0 if status == "done" else 3
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
