@@ -219,12 +219,21 @@ class ZmqSession(SenderSession):
         self.link = link
         self._trackers: list[zmq.MessageTracker] = []  # frames that point into the cache
 
-    def deliver(self, request_id: str, staged: Staged, dst_block_ids: list[int], deadline: float) -> None:
-        """One message per layer chunk, in place or gathered (see the module's docstring); returns
-        once they are queued on the connection (the commit follows them)."""
+    carries_commit = True  # inside the last KVBlocks (the receiver takes it after those blocks)
+
+    def deliver(
+        self,
+        request_id: str,
+        staged: Staged,
+        dst_block_ids: list[int],
+        deadline: float,
+        commit: KVCommit | None = None,
+    ) -> None:
+        """One message per layer chunk, in place or gathered (see the module's docstring), the last
+        one with ``commit``; returns once they are queued on the connection."""
         self._trackers = [t for t in self._trackers if not t.done]
         if staged.tensor is not None:  # copied out before a transport was agreed
-            self._send_tensor(request_id, staged.tensor.cpu(), dst_block_ids, deadline)
+            self._send_tensor(request_id, staged.tensor.cpu(), dst_block_ids, deadline, commit)
             return
         kv, options = self.plane.kv, self.plane.options
         src = staged.block_ids
@@ -232,6 +241,7 @@ class ZmqSession(SenderSession):
         runs = block_runs(src, dst_block_ids)
         per_layer = len(src) * slab
         chunks = layer_chunks(kv.shape[0], per_layer, options.max_frame_bytes)
+        last = chunks[-1]
         if not kv.is_cuda and per_layer >= options.zero_copy_min_run_bytes * len(runs):
             flat = kv.view(kv.shape[0], -1).view(torch.uint8).numpy()  # [L, NB * slab] bytes
             counts = [c for _, _, c in runs]
@@ -243,7 +253,15 @@ class ZmqSession(SenderSession):
                         frame = zmq.Frame(row[s * slab : (s + c) * slab], track=True)
                         self._trackers.append(frame.tracker)
                         frames.append(frame)
-                header = KVBlocks(request_id, dst_block_ids, l0, l1, (l1 - l0) * per_layer, runs=counts)
+                header = KVBlocks(
+                    request_id,
+                    dst_block_ids,
+                    l0,
+                    l1,
+                    (l1 - l0) * per_layer,
+                    runs=counts,
+                    commit=commit if (l0, l1) == last else None,
+                )
                 self.link.send([encode(header), *frames], deadline)
             return
         with torch.cuda.device(kv.device) if kv.is_cuda else contextlib.nullcontext():
@@ -253,14 +271,22 @@ class ZmqSession(SenderSession):
                 part = kv.new_empty((l1 - l0, len(src), *kv.shape[2:]))
                 gather_into(kv[l0:l1], idx, part)
                 part = part.cpu()  # on CUDA: waits for the gather
-                header = KVBlocks(request_id, dst_block_ids, l0, l1, part.numel() * part.element_size())
+                nbytes = part.numel() * part.element_size()
+                header = KVBlocks(
+                    request_id, dst_block_ids, l0, l1, nbytes, commit=commit if (l0, l1) == last else None
+                )
                 self.link.send([encode(header), memoryview(part.view(torch.uint8).numpy())], deadline)
 
-    def _send_tensor(self, request_id: str, tensor: torch.Tensor, dst: list[int], deadline: float) -> None:
+    def _send_tensor(
+        self, request_id: str, tensor: torch.Tensor, dst: list[int], deadline: float, commit: KVCommit | None
+    ) -> None:
         bytes_per_layer = tensor[0].numel() * tensor.element_size()
-        for l0, l1 in layer_chunks(tensor.shape[0], bytes_per_layer, self.plane.options.max_frame_bytes):
+        chunks = layer_chunks(tensor.shape[0], bytes_per_layer, self.plane.options.max_frame_bytes)
+        for l0, l1 in chunks:
             part = tensor[l0:l1]
-            header = KVBlocks(request_id, dst, l0, l1, part.numel() * part.element_size())
+            nbytes = part.numel() * part.element_size()
+            last = (l0, l1) == chunks[-1]
+            header = KVBlocks(request_id, dst, l0, l1, nbytes, commit=commit if last else None)
             self.link.send([encode(header), memoryview(part.view(torch.uint8).numpy())], deadline)
 
     def close(self) -> None:
