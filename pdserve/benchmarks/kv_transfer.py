@@ -202,8 +202,16 @@ def _receiver(
             nbytes, piece = arg
             remote_name, address_remote, dev, mem = nixl_remote
             start = time.perf_counter()
-            local = nixl.get_xfer_descs(_pieces(buf.data_ptr(), nbytes, piece, max(buf.get_device(), 0)), mem)
-            remote = nixl.get_xfer_descs(_pieces(address_remote, nbytes, piece, dev), mem)
+            here = max(buf.get_device(), 0)
+            if isinstance(piece, tuple):  # pdserve's READ of blocks 0..n-1: one descriptor a layer
+                layers, src_blocks, n, slab = piece
+                local = [(buf.data_ptr() + i * n * slab, n * slab, here) for i in range(layers)]
+                source = [(address_remote + i * src_blocks * slab, n * slab, dev) for i in range(layers)]
+            else:
+                local = _pieces(buf.data_ptr(), nbytes, piece, here)
+                source = _pieces(address_remote, nbytes, piece, dev)
+            local = nixl.get_xfer_descs(local, mem)
+            remote = nixl.get_xfer_descs(source, mem)
             state = _nixl_run(nixl, "READ", local, remote, remote_name)
             conn.send((state, time.perf_counter() - start))  # the operation alone, timed here
         elif kind == "probe":  # start stamping (True), or stop and send the stamps back
@@ -526,13 +534,15 @@ def run(args: argparse.Namespace) -> dict:
 
     # The fixed cost of a send, before any size: one block, send to ack, many times in a row.
     fixed = {}
-    for name, sender in senders.items():
+    # On CUDA also nixl forced in place and packed (which way a one-block send should take).
+    timed = {**senders, **{k: v for k, v in forced.items() if k.startswith("nixl")}}
+    for name, sender in timed.items():
         fixed[name] = _fixed_cost_us(remote, sender, address, shape, args.one_block_count, name)
         p50, p90 = fixed[name]["p50"], fixed[name]["p90"]
         print(f"fixed cost of a one-block send, {name}: p50 {p50:.0f} us, p90 {p90:.0f} us", flush=True)
     breakdown = {}
-    for name, sender in senders.items() if args.breakdown else ():
-        if name not in ("nixl", "zmq"):
+    for name, sender in timed.items() if args.breakdown else ():
+        if name.split("-")[0] not in ("nixl", "zmq"):
             continue
         breakdown[name] = _breakdown_us(remote, sender, address, shape, args.one_block_count, name)
         print(f"where a one-block send's time goes, {name} (us, p50 / p90):", flush=True)
@@ -576,7 +586,10 @@ def run(args: argparse.Namespace) -> dict:
             # READ by the receiver in one descriptor and in 2 MiB ones (a run of 32 blocks per layer
             # of Llama-3-8B), and WRITE by the sender (then a ping, so the receiver knows, as a READ's
             # reply tells the sender).
-            for label, piece in (("raw_nixl_read", 0), ("raw_nixl_read_2mib", 2 << 20)):
+            pieces = [("raw_nixl_read", 0), ("raw_nixl_read_2mib", 2 << 20)]
+            if cuda:  # the READ pdserve makes of blocks 0..n-1 in place, raw: one descriptor a layer
+                pieces.append(("raw_nixl_read_layers", (shape[0], max_blocks, n, block_bytes // shape[0])))
+            for label, piece in pieces:
                 runs[label] = functools.partial(
                     _raw_nixl_read, remote, nbytes, piece, op_times.setdefault(label, [])
                 )
@@ -619,6 +632,7 @@ def run(args: argparse.Namespace) -> dict:
                 "raw_gloo",
                 "raw_nixl_read",
                 "raw_nixl_read_op",
+                "raw_nixl_read_layers",
                 "raw_nixl_write",
                 "raw_copy",
                 "raw_tcp",
@@ -704,7 +718,8 @@ def run(args: argparse.Namespace) -> dict:
         "at the sender's request and timed by the sender to the receiver's answer (over a "
         "multiprocessing pipe); raw_nixl_read_op: the same READ timed inside the receiver, the "
         "operation alone; "
-        "(_2mib: the region in 2 MiB descriptors); raw_nixl_write: one NIXL WRITE of it by the sender, "
+        "(_2mib: the region in 2 MiB descriptors; _layers, on CUDA: the READ pdserve makes in place of "
+        "blocks 0..n-1, one descriptor per layer, raw); raw_nixl_write: one NIXL WRITE of it by the sender, "
         "then a ping to the receiver; raw_copy (--same-gpu): one device copy of the bytes; "
         "pdserve_nixl_inplace / _packed: nixl forced to READ the blocks in place (one descriptor per run "
         "and layer) or to pack them into staging slots (gather, one READ a slot, scatter); pdserve_nixl: the "
