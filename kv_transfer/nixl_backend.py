@@ -226,6 +226,16 @@ def _slab_array(address: int, count: int, slab: int, device: int) -> np.ndarray:
     return np.array([[address, slab, device, slab, count]], dtype=np.uint64)
 
 
+def _prepared(agent, owner: str, slabs: np.ndarray, mem: str):
+    """``slabs`` prepared as a NIXL descriptor list of ``owner`` (this agent: NIXL_INIT_AGENT), or
+    None where NIXL cannot (READs of those slabs then build their lists each time)."""
+    try:
+        return agent.prep_xfer_dlist(owner, slabs, mem)
+    except Exception as e:
+        logger.warning("NIXL could not prepare a descriptor list of %s slabs (%s): built per READ", mem, e)
+        return None
+
+
 def _scattered(src_block_ids: Sequence[int], dst_block_ids: Sequence[int]) -> bool:
     """No block followed by its successor in both caches (so no two slabs of a layer coalesce)."""
     return all(
@@ -323,7 +333,7 @@ class NixlReceiverPlane(ReceiverPlane):
             self.stream = torch.cuda.Stream(kv.device) if kv.is_cuda else None
             # Every (layer, block) slab of the cache as one prepared list, once (see the docstring).
             slabs = _slab_array(kv.data_ptr(), kv.shape[0] * kv.shape[1], self.slab_bytes, _device_id(kv))
-            self._slabs = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", slabs, _mem_type(kv))
+            self._slabs = _prepared(self.agent, "NIXL_INIT_AGENT", slabs, _mem_type(kv))
 
     def setup(self, peer: bytes, msg: KVSetup) -> KVSetupReply:
         offer = msg.offer(NixlOffer) or NixlOffer()
@@ -352,7 +362,7 @@ class NixlReceiverPlane(ReceiverPlane):
             remote = _Remote(name, address, num_blocks, device, offer.mem, stage_address, stage_bytes)
             self.agent.make_connection(name)  # now, rather than at the first READ
             slabs = _slab_array(address, num_layers * num_blocks, slab, device)
-            remote.slabs = self.agent.prep_xfer_dlist(name, slabs, offer.mem)
+            remote.slabs = _prepared(self.agent, name, slabs, offer.mem)
             self._remotes[offer.agent] = remote
         self._sessions[peer] = remote
         accept = NixlAccept(agent=self.agent.name, metadata=self.agent.get_agent_metadata())
@@ -521,7 +531,11 @@ class NixlReceiverPlane(ReceiverPlane):
                 local = np.array([[at, nbytes, _device_id(kv)]], dtype=np.uint64)
                 at = remote.stage_address + msg.src_offset
                 source = np.array([[at, nbytes, remote.device]], dtype=np.uint64)
-            elif _scattered(msg.src_block_ids, msg.dst_block_ids) and remote.slabs is not None:
+            elif (
+                self._slabs is not None
+                and remote.slabs is not None
+                and _scattered(msg.src_block_ids, msg.dst_block_ids)
+            ):
                 # No two blocks consecutive in both caches: one descriptor per (layer, block) slab
                 # either way, taken by index from the lists prepared once (no list built per READ).
                 nbytes = self._packed_bytes(msg)

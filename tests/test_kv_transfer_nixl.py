@@ -684,3 +684,27 @@ def test_a_packed_send_stopped_by_a_refusal_still_sends_its_commit():
         assert pair.send("after", [1, 4], [8, 9]).result().ok  # the connection still serves
     finally:
         pair.close()
+
+
+@nixl_only
+def test_without_prepared_lists_scattered_blocks_are_read_by_lists_built_per_read():
+    """Where NIXL cannot prepare a cache's slab list (``_prepared`` gives None), scattered blocks
+    are READ as runs are, by descriptor lists built for the READ."""
+    from pdserve.kv_transfer import nixl_backend as nb
+
+    def refuse(*args):
+        raise RuntimeError("no strided lists here")
+
+    assert (
+        nb._prepared(types.SimpleNamespace(prep_xfer_dlist=refuse), "x", nb._slab_array(1, 4, 8, 0), "DRAM")
+        is None
+    )
+    pair = Pair(SMALL, src_blocks=16, dst_blocks=16)
+    try:
+        plane = pair.receiver.planes["nixl"]
+        plane._slabs = None
+        pair.table.add("built", [6, 1, 12], time.time() + 30)
+        assert pair.send("built", [3, 9, 0], [6, 1, 12]).result().ok
+        assert torch.equal(pair.dst[:, [6, 1, 12]], pair.src[:, [3, 9, 0]])
+    finally:
+        pair.close()
