@@ -39,10 +39,12 @@ moves the blocks on its own data plane, behind the typed interfaces of ``plane``
 (``ReceiverPlane``, ``SenderPlane``, ``SenderSession``; their docstrings state the contract):
 
 * ``zmq``: frames on that connection, runs of blocks straight out of a CPU cache, the rest
-  gathered chunk by chunk while the previous chunk is on the wire; runs everywhere.
-* ``nixl``: the decode node READs the blocks in place, by descriptor, out of the prefill node's
-  registered KV cache into its own (UCX; VRAM on GPUs, DRAM on the CPU): no copy on either side;
-  it takes the commit, sent right behind the READ offers, once its READs ended.
+  gathered chunk by chunk into staging buffers kept per session while the previous chunk is on
+  the wire; the last message carries the commit; runs everywhere.
+* ``nixl``: the decode node READs the blocks in place, by descriptor (lists prepared once per
+  session for scattered blocks), out of the prefill node's registered KV cache into its own (UCX;
+  VRAM on GPUs, DRAM on the CPU): no copy on either side; it takes the commit, carried by the
+  last READ offer, once its READs ended, and acks: a one-block send is one message each way.
 * ``nccl``: send/recv on a communicator per prefill-decode pair (torch.distributed's NCCL
   backend for CUDA caches, gloo for CPU caches: one code path), on its own CUDA stream.
 * ``sim``: simulated nodes' tiny payloads as zmq frames, held back for the time the simulated

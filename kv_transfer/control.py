@@ -17,9 +17,12 @@ peer, multipart messages whose first frame is a msgpack message of ``kv_transfer
 4. ``[KVRenew]``: extend leases, no reply.
 5. ``[KVCommit]`` -> ``[KVAck]``: the ack says whether every layer of every block landed
    inside a live reservation. The sender sends the commit right behind the data, without waiting
-   for an answer to it; the receiver takes it only after the data of its request (on this thread
-   for zmq, behind the plane's own work for nixl and nccl: ``ReceiverPlane.handles_commit``), so
-   a send costs one round trip, and the ack also tells the sender its blocks are no longer read.
+   for an answer to it, or inside the send's last data message (``commit`` of ``KVBlocks`` and
+   ``KVReady``: ``SenderSession.carries_commit``); the receiver takes it only after the data of
+   its request (on this thread for zmq, behind the plane's own work for nixl and nccl:
+   ``ReceiverPlane.handles_commit``), so a send costs one round trip (a one-block send one message
+   each way), and the ack also tells the sender its blocks are no longer read. A data message
+   whose commit names another request is refused (with a refused ack).
 
 Validation on the receiver (a hostile or broken peer can neither crash the node nor write
 outside a reservation): the cluster token is compared in constant time; what a connection
@@ -376,15 +379,28 @@ class ControlReceiver(KVReceiver):
             if plane is not None and plane.handles_commit:
                 plane.handle(peer, msg, ())  # queued behind the data it must follow; acked by the plane
                 return None
-            error = table.commit(msg.request_id)
-            if not error:
-                on_commit(msg)
-            return KVAck(request_id=msg.request_id, ok=not error, error=error)
+            return self._commit(msg, table, on_commit)
         if plane is None or not isinstance(msg, plane.messages):
             why = f"{type(msg).__name__} on a connection set up for {transport or 'nothing'}"
             return self._refuse(msg, why, table)
+        # A data message may carry its request's commit (the last of a send): taken after its data.
+        commit = getattr(msg, "commit", None)
+        if commit is not None and commit.request_id != msg.request_id:
+            why = f"carries the commit of another request, {_short(commit.request_id)}"
+            return self._refuse(msg, why, table)
         error = plane.handle(peer, msg, frames[1:])
-        return self._refuse(msg, error, table) if error else None
+        if error:
+            return self._refuse(msg, error, table)
+        if commit is not None and not plane.handles_commit:
+            return self._commit(commit, table, on_commit)
+        return None
+
+    @staticmethod
+    def _commit(msg: KVCommit, table: ReservationTable, on_commit) -> KVAck:
+        error = table.commit(msg.request_id)
+        if not error:
+            on_commit(msg)
+        return KVAck(request_id=msg.request_id, ok=not error, error=error)
 
     def _setup(self, peer: bytes, conn: _Conn, msg: KVSetup) -> KVSetupReply:
         chosen = next((t for t in msg.transports if t in self.transports), None)
@@ -561,14 +577,20 @@ class _Peer(ControlLink):
         if rid in self.failed:
             raise KVTransferError(f"an earlier part of request {rid}'s KV failed; it cannot be committed")
         finish = None  # waits for data still leaving (planes whose peer queues the commit behind it)
+        # The commit rides inside the last data message where the plane carries it.
+        inline = job.commit is not None and bool(job.dst_block_ids) and self.session.carries_commit
         if job.dst_block_ids:
-            finish = self.session.deliver(rid, staged, job.dst_block_ids, deadline)
+            if inline:
+                finish = self.session.deliver(rid, staged, job.dst_block_ids, deadline, job.commit)
+            else:
+                finish = self.session.deliver(rid, staged, job.dst_block_ids, deadline)
         if job.commit is None:
             if finish is not None:
                 finish(deadline)
             return None
         self._waiting_for = rid
-        self.send([encode(job.commit)], deadline)
+        if not inline:
+            self.send([encode(job.commit)], deadline)
         ack = self.recv(deadline, KVAck, idle=self.session.progress if self.session else None)
         if self.session is not None:
             self.session.acked()

@@ -14,7 +14,8 @@ proxy<->node messages stay there. In protocol order:
 4. ``KVRenew`` (no reply) while a prompt waits on the prefill node.
 5. ``KVCommit`` -> ``KVAck``, right behind the data: the receiver takes the commit after the data
    of its request (zmq and nccl in order on one thread, nixl once its READs ended), so a send costs
-   one round trip.
+   one round trip. zmq and nixl carry it inside their last data message (``commit``): a one-block
+   send is then one message each way.
 
 A message that waits for an answer says how a refusal is answered (``refused``), so the control
 host can refuse any of them without knowing the plane it belongs to.
@@ -128,6 +129,14 @@ class KVAck(KVMessage):
     """The receiver holds no handshake for this connection (it lost it): the sender reconnects."""
 
 
+def _refused_commit(request_id: str, commit: KVCommit | None, why: str) -> KVAck | None:
+    """The answer to a refused data message that carries its request's commit: the refused ack
+    (what its sender waits for); None without one."""
+    if commit is None:
+        return None
+    return KVAck(request_id=request_id, ok=False, error=why)
+
+
 class KVRenew(KVMessage):
     """The prefill node still works on these requests: extend their leases by their original length.
 
@@ -158,6 +167,11 @@ class KVBlocks(KVMessage):
     layer_end: int
     nbytes: int
     runs: list[int] = []
+    commit: KVCommit | None = None
+    """The request's commit, taken once this message's blocks landed (the last message of a send)."""
+
+    def refused(self, why: str) -> KVAck | None:
+        return _refused_commit(self.request_id, self.commit, why)
 
     @property
     def payload_frames(self) -> int:  # type: ignore[override]
@@ -175,6 +189,10 @@ class KVReady(KVMessage):
     into ``dst_block_ids``. Either way it answers ``KVReadDone`` carrying ``xfer_id``, and takes a
     commit of the request only after that; until then the sender keeps the blocks (or the staged
     copy) unchanged. The READ runs at most ``timeout_s`` (the sender's time left, less a margin).
+
+    The last KVReady of a send carries the request's ``commit``: the receiver takes it once no READ
+    of the request is left and answers with the ``KVAck`` alone (no ``KVReadDone`` for the READs
+    of the request that end after it arrived).
     """
 
     request_id: str
@@ -185,9 +203,11 @@ class KVReady(KVMessage):
     layer_end: int
     timeout_s: float  # the READ is abandoned (and the request failed) after this long
     src_offset: int = -1  # packed: byte offset of the gathered blocks in the sender's staging region
+    commit: KVCommit | None = None
 
-    def refused(self, why: str) -> KVReadDone:
-        return KVReadDone(request_id=self.request_id, xfer_id=self.xfer_id, error=why)
+    def refused(self, why: str) -> KVMessage:
+        refused = _refused_commit(self.request_id, self.commit, why)
+        return refused or KVReadDone(request_id=self.request_id, xfer_id=self.xfer_id, error=why)
 
 
 class KVReadDone(KVMessage):

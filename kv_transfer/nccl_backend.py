@@ -554,7 +554,12 @@ class NcclSession(SenderSession):
         self._seq = itertools.count(1)
 
     def deliver(
-        self, request_id: str, staged: Staged, dst_block_ids: list[int], deadline: float
+        self,
+        request_id: str,
+        staged: Staged,
+        dst_block_ids: list[int],
+        deadline: float,
+        commit: KVCommit | None = None,
     ) -> Callable[[float], None]:
         """Post every send and return: the decode node's pair thread takes the commit after the
         recvs, so the commit may go out now; the returned function waits for the sends."""

@@ -169,13 +169,27 @@ class SenderSession(ABC):
     """Run every millisecond while the sender waits for a reply (nixl: progress UCX, which some of
     its transports need on this side too), if set."""
 
+    carries_commit: ClassVar[bool] = False
+    """True when ``deliver`` sends the request's commit itself, inside its last data message (zmq,
+    nixl): a send is then one message each way. Otherwise the host sends the commit right behind
+    the data."""
+
     @abstractmethod
     def deliver(
-        self, request_id: str, staged: Staged, dst_block_ids: list[int], deadline: float
+        self,
+        request_id: str,
+        staged: Staged,
+        dst_block_ids: list[int],
+        deadline: float,
+        commit: KVCommit | None = None,
     ) -> Callable[[float], None] | None:
         """Move staged blocks into the peer's reserved ``dst_block_ids``; raises KVTransferError
         (``KVRefused`` when the peer refused them: the connection stays up; anything else closes
         it, and this session with it).
+
+        ``commit`` is given only to a session that ``carries_commit``: it goes out with the send's
+        last data message (or alone, right behind the data, where a refusal stopped the send
+        early), so the peer always gets it and always answers it with a KVAck.
 
         Returns None once the peer has them. A plane whose peer queues the commit behind the data
         (nccl: one thread there takes both in order; nixl: the decode node commits behind its own

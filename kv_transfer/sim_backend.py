@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.kv_transfer.base import Staged
-from pdserve.kv_transfer.messages import KVBlocks, KVSetup, KVSetupReply
+from pdserve.kv_transfer.messages import KVBlocks, KVCommit, KVSetup, KVSetupReply
 from pdserve.kv_transfer.plane import ControlLink, TransportPlugin
 from pdserve.kv_transfer.zmq_backend import ZmqReceiverPlane, ZmqSenderPlane, ZmqSession
 
@@ -81,12 +81,19 @@ class SimSenderPlane(ZmqSenderPlane):
 class SimSession(ZmqSession):
     plane: SimSenderPlane
 
-    def deliver(self, request_id: str, staged: Staged, dst_block_ids: list[int], deadline: float) -> None:
+    def deliver(
+        self,
+        request_id: str,
+        staged: Staged,
+        dst_block_ids: list[int],
+        deadline: float,
+        commit: KVCommit | None = None,
+    ) -> None:
         """Wait the modelled transfer time (bounded by the deadline), then send the frames."""
         delay = min(self.plane.sim.seconds(len(dst_block_ids)), deadline - time.monotonic())
         if delay > 0:
             time.sleep(delay)
-        super().deliver(request_id, staged, dst_block_ids, deadline)
+        super().deliver(request_id, staged, dst_block_ids, deadline, commit)
 
 
 def _available() -> bool:

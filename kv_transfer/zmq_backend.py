@@ -14,9 +14,12 @@ chunk of at most ``max_frame_bytes``, one message:
   (layer, run) pointing straight into the cache (``copy=False``): no copy on this side at all.
   ZeroMQ's I/O thread reads the cache as it writes the socket, so each such frame is tracked, and
   a send that fails is only over (its blocks given back) once ZeroMQ let go of every frame.
-* **gathered** (short runs, or a CUDA cache): the chunk's blocks gathered into a fresh CPU tensor
-  (``index_select``; on CUDA a gather on the device and one copy to the host), sent without a
-  further copy. The gather of chunk k+1 runs while ZeroMQ's I/O thread sends chunk k.
+* **gathered** (short runs, or a CUDA cache): the chunk's blocks gathered into one of the session's
+  ``staging_buffers`` CPU buffers (``index_select``; on CUDA a gather on the device and one copy
+  to the host), sent without a further copy and tracked: the gather of chunk k+1 runs while
+  ZeroMQ's I/O thread sends chunk k, and a buffer is gathered into again once ZeroMQ let go of it.
+  The buffers are kept, so a gather writes memory already mapped: into a fresh 16 MiB tensor the
+  page faults tripled its cost here (6.7 vs 2.1 ms, slower than loopback TCP).
 
 Receiver (the control thread): ZeroMQ reads each frame straight into its own buffer; the frame is
 copied into the reserved blocks under the reservation table's lock, one ``copy_`` per run of
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -38,6 +42,7 @@ import torch
 import zmq
 
 from pdserve.kv_transfer.base import (
+    KVTransferError,
     ReservationTable,
     Staged,
     block_index,
@@ -74,6 +79,9 @@ class ZmqOptions:
     next one arrives (ZeroMQ hands a message over only once all of it came). Interleaved runs on
     this 2-core machine under load: 16 MiB 0.55-0.69 of raw TCP at 64 MiB, 4 MiB 0.47-0.51 (each
     message costs both sides a wake-up and ~30-50 us of Python); 2 MiB no better."""
+    staging_buffers: int = 3
+    """CPU buffers a session gathers chunks into, in turn (one being gathered, the others on the
+    wire); each as large as the largest chunk it took."""
     zero_copy_min_run_bytes: int = 256 << 10
     """A CPU cache's blocks are sent in place, one frame per (layer, run), when their runs
     (consecutive in both caches) average at least this many bytes per layer; shorter runs are
@@ -218,13 +226,26 @@ class ZmqSession(SenderSession):
         self.plane = plane
         self.link = link
         self._trackers: list[zmq.MessageTracker] = []  # frames that point into the cache
+        # Staging buffers for gathered chunks (flat bytes), each with the tracker of its frame on
+        # the wire (None: free), taken in turn.
+        self._buffers: list[tuple[torch.Tensor, zmq.MessageTracker | None]] = []
+        self._turn = 0
 
-    def deliver(self, request_id: str, staged: Staged, dst_block_ids: list[int], deadline: float) -> None:
-        """One message per layer chunk, in place or gathered (see the module's docstring); returns
-        once they are queued on the connection (the commit follows them)."""
+    carries_commit = True  # inside the last KVBlocks (the receiver takes it after those blocks)
+
+    def deliver(
+        self,
+        request_id: str,
+        staged: Staged,
+        dst_block_ids: list[int],
+        deadline: float,
+        commit: KVCommit | None = None,
+    ) -> None:
+        """One message per layer chunk, in place or gathered (see the module's docstring), the last
+        one with ``commit``; returns once they are queued on the connection."""
         self._trackers = [t for t in self._trackers if not t.done]
         if staged.tensor is not None:  # copied out before a transport was agreed
-            self._send_tensor(request_id, staged.tensor.cpu(), dst_block_ids, deadline)
+            self._send_tensor(request_id, staged.tensor.cpu(), dst_block_ids, deadline, commit)
             return
         kv, options = self.plane.kv, self.plane.options
         src = staged.block_ids
@@ -232,6 +253,7 @@ class ZmqSession(SenderSession):
         runs = block_runs(src, dst_block_ids)
         per_layer = len(src) * slab
         chunks = layer_chunks(kv.shape[0], per_layer, options.max_frame_bytes)
+        last = chunks[-1]
         if not kv.is_cuda and per_layer >= options.zero_copy_min_run_bytes * len(runs):
             flat = kv.view(kv.shape[0], -1).view(torch.uint8).numpy()  # [L, NB * slab] bytes
             counts = [c for _, _, c in runs]
@@ -243,24 +265,68 @@ class ZmqSession(SenderSession):
                         frame = zmq.Frame(row[s * slab : (s + c) * slab], track=True)
                         self._trackers.append(frame.tracker)
                         frames.append(frame)
-                header = KVBlocks(request_id, dst_block_ids, l0, l1, (l1 - l0) * per_layer, runs=counts)
+                header = KVBlocks(
+                    request_id,
+                    dst_block_ids,
+                    l0,
+                    l1,
+                    (l1 - l0) * per_layer,
+                    runs=counts,
+                    commit=commit if (l0, l1) == last else None,
+                )
                 self.link.send([encode(header), *frames], deadline)
             return
         with torch.cuda.device(kv.device) if kv.is_cuda else contextlib.nullcontext():
             idx = block_index(src, kv.device)
             for l0, l1 in chunks:
                 staged.wait(l1)
-                part = kv.new_empty((l1 - l0, len(src), *kv.shape[2:]))
-                gather_into(kv[l0:l1], idx, part)
-                part = part.cpu()  # on CUDA: waits for the gather
-                header = KVBlocks(request_id, dst_block_ids, l0, l1, part.numel() * part.element_size())
-                self.link.send([encode(header), memoryview(part.view(torch.uint8).numpy())], deadline)
+                shape = (l1 - l0, len(src), *kv.shape[2:])
+                turn, part = self._buffer(shape, kv, deadline)
+                if kv.is_cuda:  # gathered on the device, then one copy into the host buffer
+                    gathered = kv.new_empty(shape)
+                    gather_into(kv[l0:l1], idx, gathered)
+                    part.copy_(gathered)  # waits for the gather (pageable memory: synchronous)
+                else:
+                    gather_into(kv[l0:l1], idx, part)
+                nbytes = part.numel() * part.element_size()
+                header = KVBlocks(
+                    request_id, dst_block_ids, l0, l1, nbytes, commit=commit if (l0, l1) == last else None
+                )
+                frame = zmq.Frame(memoryview(part.view(torch.uint8).numpy()), track=True)
+                self._buffers[turn] = (self._buffers[turn][0], frame.tracker)
+                self._trackers.append(frame.tracker)
+                self.link.send([encode(header), frame], deadline)
 
-    def _send_tensor(self, request_id: str, tensor: torch.Tensor, dst: list[int], deadline: float) -> None:
+    def _buffer(self, shape: tuple, kv: torch.Tensor, deadline: float) -> tuple[int, torch.Tensor]:
+        """The next staging buffer in turn (its number, and it as a CPU tensor of ``shape`` in the
+        cache's dtype), once ZeroMQ let go of what it held (KVTransferError if not by ``deadline``)."""
+        count = self.plane.options.staging_buffers
+        if len(self._buffers) < count:
+            self._buffers.append((torch.empty(0, dtype=torch.uint8), None))
+        turn = self._turn % len(self._buffers)
+        self._turn = turn + 1
+        buf, tracker = self._buffers[turn]
+        if tracker is not None:
+            try:
+                tracker.wait(max(deadline - time.monotonic(), 0.0))
+            except zmq.NotDone:
+                raise KVTransferError(f"KV peer {self.link.address} is not taking data") from None
+        nbytes = math.prod(shape) * kv.element_size()
+        if buf.numel() < nbytes:
+            buf = torch.empty(nbytes, dtype=torch.uint8)
+        self._buffers[turn] = (buf, None)
+        return turn, buf[:nbytes].view(kv.dtype).view(shape)
+
+    def _send_tensor(
+        self, request_id: str, tensor: torch.Tensor, dst: list[int], deadline: float, commit: KVCommit | None
+    ) -> None:
         bytes_per_layer = tensor[0].numel() * tensor.element_size()
-        for l0, l1 in layer_chunks(tensor.shape[0], bytes_per_layer, self.plane.options.max_frame_bytes):
+        chunks = layer_chunks(tensor.shape[0], bytes_per_layer, self.plane.options.max_frame_bytes)
+        for l0, l1 in chunks:
             part = tensor[l0:l1]
-            header = KVBlocks(request_id, dst, l0, l1, part.numel() * part.element_size())
+            nbytes = part.numel() * part.element_size()
+            last = (l0, l1) == chunks[-1]
+            header = KVBlocks(request_id, dst, l0, l1, nbytes, commit=commit if last else None)
             self.link.send([encode(header), memoryview(part.view(torch.uint8).numpy())], deadline)
 
     def close(self) -> None:

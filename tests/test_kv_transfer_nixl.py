@@ -587,3 +587,124 @@ def test_the_ack_frees_the_staging_slots_of_reads_not_reported_one_by_one():
     session.acked()
     assert released == [2] and session._pending == {}
     session._finish(time.monotonic() + 1)  # nothing left to wait for
+
+
+@nixl_only
+@pytest.mark.parametrize("order", ["in place, scattered", "in place, runs", "packed"])
+def test_a_send_is_one_message_each_way(order):
+    """The commit rides in the send's last KVReady: a one-piece send is one message to the decode
+    node and one (the ack) back, with no READ's report; scattered blocks READ by index from the
+    descriptor lists prepared once per session, runs of blocks from lists built per READ."""
+    options = (
+        (kv_transfer.NixlOptions(pack_on_cpu=True, descriptors_per_piece=0),) if order == "packed" else ()
+    )
+    pair = Pair(SMALL, src_blocks=16, dst_blocks=32, options=options)
+    try:
+        pair.sender.handshake(pair.address, info("prefill", SMALL), 10)
+        peer = pair.sender._peers[pair.address]
+        sent, replies = [], []
+        send, recv = peer.send, peer.recv
+
+        def recording_send(frames, deadline):
+            sent.append(type(_decode(frames[0])).__name__)
+            send(frames, deadline)
+
+        peer.send = recording_send
+
+        def recording_recv(*args, **kw):
+            reply = recv(*args, **kw)
+            replies.append(type(reply).__name__)
+            return reply
+
+        peer.recv = recording_recv
+        plane = pair.receiver.planes["nixl"]
+        prepped, built = [], []
+        make, init = plane.agent.make_prepped_xfer, plane.agent.initialize_xfer
+        plane.agent.make_prepped_xfer = lambda *a, **k: (prepped.append(1), make(*a, **k))[1]
+        plane.agent.initialize_xfer = lambda *a, **k: (built.append(1), init(*a, **k))[1]
+        src, dst = ([9, 2, 14], [30, 3, 17]) if order != "in place, runs" else ([4, 5, 6], [10, 11, 12])
+        pair.table.add("one", dst, time.time() + 30)
+        assert pair.send("one", src, dst).result().ok
+        assert sent == ["KVReady"] and replies == ["KVAck"]
+        assert torch.equal(pair.dst[:, dst], pair.src[:, src]) and pair.commits == ["one"]
+        if order == "in place, scattered":
+            assert prepped == [1] and built == []
+        elif order == "in place, runs":
+            assert prepped == [] and built == [1]
+    finally:
+        pair.close()
+
+
+def _decode(frame):
+    from pdserve.kv_transfer.messages import REQUESTS
+    from pdserve.messages import decode
+
+    return decode(bytes(frame.buffer) if hasattr(frame, "buffer") else frame, REQUESTS)
+
+
+@nixl_only
+def test_a_refused_read_carrying_the_commit_is_answered_by_the_refused_ack_alone():
+    """A KVReady with the commit whose READ is refused (blocks not reserved) gets one answer, the
+    refused KVAck naming why, and no KVReadDone: the sender fails at once, not at its deadline."""
+    from pdserve.kv_transfer.messages import KVReady
+
+    table = ReservationTable(3)
+    table.add("r", [0], time.time() + 30)
+    plane, replies, commits = _bare_receiver_plane(table)
+    plane.num_layers, plane.num_blocks = 3, 16
+    remote_less = KVReady("r", 1, [0], [5], 0, 3, 5.0, commit=KVCommit("r", first_token=1))
+    assert plane.handle(b"p", remote_less, ()) == ""  # no nixl session on this connection
+    assert [(type(m).__name__, m.ok) for _, m in replies] == [("KVAck", False)]
+    assert "without a nixl session" in replies[0][1].error and commits == [] and plane._commits == []
+    assert table.commit("r")  # failed: never committed
+
+
+@nixl_only
+def test_a_packed_send_stopped_by_a_refusal_still_sends_its_commit():
+    """A packed send whose pieces are refused stops offering them; its commit, which would have
+    ridden in the last piece, goes alone, so the sender hears the refusal at once."""
+    from pdserve.kv_transfer import nixl_backend as nb
+    from pdserve.kv_transfer.staging import StagingOptions
+
+    slab = 2 * SMALL[2] * SMALL[1] * SMALL[3] * 4
+    staging = StagingOptions(num_slots=1, slot_bytes=2 * slab)
+    options = (nb.NixlOptions(pack_on_cpu=True, descriptors_per_piece=0, staging=staging),)
+    pair = Pair(SMALL, src_blocks=16, dst_blocks=16, options=options)
+    try:
+        pair.table.add("half", [0, 1], time.time() + 30)  # blocks 2 and 3 are nobody's
+        start = time.monotonic()
+        with pytest.raises(kv_transfer.KVRefused, match="not all reserved"):
+            pair.send("half", [7, 3, 11, 5], [0, 1, 2, 3], timeout=20).result()
+        assert time.monotonic() - start < 5 and pair.commits == []
+        pool = pair.sender.planes["nixl"].pool
+        slot = pool.try_acquire()
+        assert slot is not None  # its slot came back
+        pool.release(slot)
+        pair.table.add("after", [8, 9], time.time() + 30)
+        assert pair.send("after", [1, 4], [8, 9]).result().ok  # the connection still serves
+    finally:
+        pair.close()
+
+
+@nixl_only
+def test_without_prepared_lists_scattered_blocks_are_read_by_lists_built_per_read():
+    """Where NIXL cannot prepare a cache's slab list (``_prepared`` gives None), scattered blocks
+    are READ as runs are, by descriptor lists built for the READ."""
+    from pdserve.kv_transfer import nixl_backend as nb
+
+    def refuse(*args):
+        raise RuntimeError("no strided lists here")
+
+    assert (
+        nb._prepared(types.SimpleNamespace(prep_xfer_dlist=refuse), "x", nb._slab_array(1, 4, 8, 0), "DRAM")
+        is None
+    )
+    pair = Pair(SMALL, src_blocks=16, dst_blocks=16)
+    try:
+        plane = pair.receiver.planes["nixl"]
+        plane._slabs = None
+        pair.table.add("built", [6, 1, 12], time.time() + 30)
+        assert pair.send("built", [3, 9, 0], [6, 1, 12]).result().ok
+        assert torch.equal(pair.dst[:, [6, 1, 12]], pair.src[:, [3, 9, 0]])
+    finally:
+        pair.close()

@@ -259,3 +259,59 @@ def test_runs_whose_blocks_are_not_consecutive_here_still_land_in_their_blocks(p
         sock.close(linger=0)
     for i, block in enumerate([9, 2, 6]):
         assert torch.equal(dst[:, block], payload[:, i])
+
+
+def test_gathered_chunks_take_the_staging_buffers_in_turn():
+    """Scattered blocks are gathered chunk by chunk into the session's staging buffers, taken in
+    turn and kept across sends (memory already mapped), each gathered into again only once ZeroMQ
+    let go of the chunk it carried: three one-layer chunks a send through two buffers land intact."""
+    src = torch.randn(L, NB, 2, BS, H, D)
+    dst = torch.zeros(L, NB, 2, BS, H, D)
+    table = ReservationTable(L)
+    options = (ZmqOptions(max_frame_bytes=4 * SLAB, staging_buffers=2, zero_copy_min_run_bytes=1 << 30),)
+    receiver = create_receiver("zmq", options=options)
+    receiver.register_kv_cache(dst)
+    address = receiver.start(info("decode-0"), table, lambda commit: None)
+    sender = create_sender("zmq", options=options)
+    sender.register_kv_cache(src)
+    try:
+        sender.handshake(address, info("prefill-0"), 5)  # agreed: sends gather (not copied before)
+        pointers = None
+        for k, (src_ids, dst_ids) in enumerate([([9, 2, 5, 0], [1, 3, 5, 7]), ([4, 11, 1, 6], [0, 2, 4, 6])]):
+            table.add(f"g{k}", dst_ids, time.time() + 10)
+            ack = sender.send(address, info("prefill-0"), f"g{k}", src_ids, dst_ids, KVCommit(f"g{k}", 1), 5)
+            assert ack.result().ok
+            assert torch.equal(dst[:, dst_ids], src[:, src_ids])
+            session = sender._peers[address].session
+            assert len(session._buffers) == 2
+            now = [buf.data_ptr() for buf, _ in session._buffers]
+            assert pointers is None or now == pointers  # the same buffers, not fresh ones
+            pointers = now
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_a_staging_buffer_still_on_the_wire_is_never_gathered_into():
+    """A buffer ZeroMQ has not let go of (the peer stopped taking data) is waited for until the
+    send's deadline, then the send fails; its bytes stay as they went out."""
+    from types import SimpleNamespace
+
+    from pdserve.kv_transfer.zmq_backend import ZmqSession
+
+    class Stuck:
+        def wait(self, timeout):
+            time.sleep(timeout)
+            raise zmq.NotDone
+
+    plane = SimpleNamespace(options=ZmqOptions(staging_buffers=1))
+    session = ZmqSession(plane, SimpleNamespace(address="tcp://peer"))
+    kv = torch.zeros(L, NB, 2, BS, H, D)
+    turn, part = session._buffer((1, 2, 2, BS, H, D), kv, time.monotonic() + 1)
+    part.fill_(7.0)
+    session._buffers[turn] = (session._buffers[turn][0], Stuck())
+    start = time.monotonic()
+    with pytest.raises(KVTransferError, match="not taking data"):
+        session._buffer((1, 2, 2, BS, H, D), kv, time.monotonic() + 0.2)
+    assert 0.15 < time.monotonic() - start < 2
+    assert bool((session._buffers[0][0].view(torch.float32) == 7.0).all())

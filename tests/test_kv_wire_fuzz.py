@@ -100,8 +100,10 @@ def kv_blocks(draw) -> list[bytes]:
     nbytes = min(max(nbytes, -(2**63)), 2**64 - 1)  # what msgpack can carry
     size = draw(st.sampled_from([right, right - 1, right + 1, 0, 7]))
     size = max(0, min(size, 64 * SLAB))  # what actually goes on the wire stays small
+    # The last message of a send carries its request's commit (of that request, or of another).
+    commit = draw(st.none() | st.builds(KVCommit, request_ids, st.integers(min_value=0, max_value=2**31)))
     if not draw(st.booleans()):
-        header = KVBlocks(draw(request_ids), ids, start, end, nbytes)
+        header = KVBlocks(draw(request_ids), ids, start, end, nbytes, commit=commit)
         return [encode(header), bytes(size)]
     # Runs sent in place: one frame per (layer, run), each right or wrong in its count and size.
     cuts = sorted(draw(st.sets(st.integers(1, max(len(ids) - 1, 1)), max_size=3)))
@@ -109,7 +111,7 @@ def kv_blocks(draw) -> list[bytes]:
     runs = draw(st.sampled_from([runs, [*runs, 1], [0, *runs], [-1, len(ids) + 1], [len(ids)]]))
     frames = max(min(end - start, L), 0) * len(runs) + draw(st.sampled_from([0, 0, 0, -1, 1]))
     sizes = [max(0, min(draw(st.sampled_from([c * SLAB, c * SLAB + 4, 0])), 8 * SLAB)) for c in runs]
-    header = KVBlocks(draw(request_ids), ids, start, end, nbytes, runs=runs)
+    header = KVBlocks(draw(request_ids), ids, start, end, nbytes, runs=runs, commit=commit)
     return [encode(header), *(bytes(sizes[i % len(sizes)]) for i in range(max(frames, 0)))]
 
 
@@ -133,7 +135,17 @@ def messages(draw) -> list[bytes]:
     if kind == 7:
         rid = draw(request_ids)
         layers = st.integers(-2, L + 2)
-        msg = KVReady(rid, 1, draw(block_ids), draw(block_ids), draw(layers), draw(layers), draw(st.floats()))
+        commit = draw(st.none() | st.builds(KVCommit, request_ids, st.just(1)))
+        msg = KVReady(
+            rid,
+            1,
+            draw(block_ids),
+            draw(block_ids),
+            draw(layers),
+            draw(layers),
+            draw(st.floats()),
+            commit=commit,
+        )
         return [encode(msg)]
     src = draw(st.one_of(st.just([]), block_ids))  # staged, or direct (cache to cache)
     msg = KVSend(draw(request_ids), 1, draw(block_ids), 0, L, draw(st.integers(0, 2**40)), src_block_ids=src)
@@ -398,6 +410,56 @@ def test_connections_closing_around_a_handshake_never_lose_it(live, monkeypatch)
     for other in others:
         other.close(linger=0)
     assert lost == 0
+    live.check()
+
+
+def test_a_commit_inside_a_data_message_is_answered_by_one_ack(live):
+    """The last KVBlocks of a send carries its commit: taken after the blocks landed, answered by
+    one KVAck; a refused message with a commit (wrong frames, the commit of another request, blocks
+    missing) is answered by the refused ack alone, and commits nothing."""
+    sock = live.connect(authed=True)
+    used = [0, 1, 2, 5]
+    try:
+        for rid, block in (("inline", 0), ("inline-other", 1), ("inline-frames", 2), ("inline-part", 5)):
+            live.table.add(rid, [block], time.time() + 30)
+        data = torch.randn(L, 1, 2, BS, H, D)
+        payload = data.numpy().tobytes()
+
+        def reply() -> KVAck:
+            answer = decode(live._recv(sock), REPLIES)
+            assert isinstance(answer, KVAck)
+            return answer
+
+        sock.send_multipart(
+            [encode(KVBlocks("inline", [0], 0, L, L * SLAB, commit=KVCommit("inline", 5))), payload]
+        )
+        ack = reply()
+        assert (ack.request_id, ack.ok) == ("inline", True) and torch.equal(live.kv[:, [0]], data)
+        header = KVBlocks("inline-other", [1], 0, L, L * SLAB, commit=KVCommit("victim", 1))
+        sock.send_multipart([encode(header), payload])
+        ack = reply()
+        assert (ack.request_id, ack.ok) == ("inline-other", False) and "another request" in ack.error
+        header = KVBlocks("inline-frames", [2], 0, L, L * SLAB, runs=[1], commit=KVCommit("inline-frames", 1))
+        sock.send_multipart([encode(header), payload[:SLAB]])  # one frame where L belong
+        ack = reply()
+        assert (ack.request_id, ack.ok) == ("inline-frames", False) and "frames" in ack.error
+        header = KVBlocks("inline-part", [5], 0, 1, SLAB, commit=KVCommit("inline-part", 1))
+        sock.send_multipart([encode(header), payload[:SLAB]])  # layer 0 of 3
+        ack = reply()
+        assert (ack.request_id, ack.ok) == ("inline-part", False) and "never arrived" in ack.error
+        assert not sock.poll(200)  # nothing else comes back
+        committed = [
+            c.request_id
+            for c in live.commits
+            if c.request_id.startswith("inline") or c.request_id == "victim"
+        ]
+        assert committed == ["inline"]
+        assert torch.equal(live.kv[:, [1, 2]], live.guard[:, [live.unreserved.index(b) for b in (1, 2)]])
+    finally:
+        sock.close(linger=0)
+        for rid in ("inline", "inline-other", "inline-frames", "inline-part"):
+            live.table.release(rid)
+        live.kv[:, used] = live.guard[:, [live.unreserved.index(b) for b in used]]
     live.check()
 
 

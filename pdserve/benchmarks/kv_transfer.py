@@ -202,10 +202,24 @@ def _receiver(
             nbytes, piece = arg
             remote_name, address_remote, dev, mem = nixl_remote
             start = time.perf_counter()
-            local = nixl.get_xfer_descs(_pieces(buf.data_ptr(), nbytes, piece, max(buf.get_device(), 0)), mem)
-            remote = nixl.get_xfer_descs(_pieces(address_remote, nbytes, piece, dev), mem)
+            here = max(buf.get_device(), 0)
+            if isinstance(piece, tuple):  # pdserve's READ of blocks 0..n-1: one descriptor a layer
+                layers, src_blocks, n, slab = piece
+                local = [(buf.data_ptr() + i * n * slab, n * slab, here) for i in range(layers)]
+                source = [(address_remote + i * src_blocks * slab, n * slab, dev) for i in range(layers)]
+            else:
+                local = _pieces(buf.data_ptr(), nbytes, piece, here)
+                source = _pieces(address_remote, nbytes, piece, dev)
+            local = nixl.get_xfer_descs(local, mem)
+            remote = nixl.get_xfer_descs(source, mem)
             state = _nixl_run(nixl, "READ", local, remote, remote_name)
             conn.send((state, time.perf_counter() - start))  # the operation alone, timed here
+        elif kind == "probe":  # start stamping (True), or stop and send the stamps back
+            if arg:
+                probe = _Probe("receiver")
+                conn.send("ok")
+            else:
+                conn.send(probe.close())
         elif kind == "ping":
             conn.send("pong")
     receiver.close()
@@ -318,6 +332,133 @@ def _fixed_cost_us(remote, sender, address, shape, count: int, tag: str) -> dict
     return {"p50": times[len(times) // 2] * 1e6, "p90": times[int(len(times) * 0.9)] * 1e6}
 
 
+# -- where a one-block send's time goes (--breakdown) -------------------------------------------------
+
+BREAKDOWN = (
+    ("send", "queued", "engine thread: KVSender.send (stage the blocks, queue the job)"),
+    ("queued", "picked", "hand-off to the peer's thread"),
+    ("picked", "data_out", "peer thread: the data message (with the commit) on the wire"),
+    ("data_out", "data_in", "wire: data message to the receiver's control thread"),
+    ("data_in", "landed", "receiver: READ set up and ended / frames copied in"),
+    ("landed", "ack_out", "receiver: commit (lease table, on_commit) and the ack out"),
+    ("ack_out", "ack_in", "wire: ack to the sender's peer thread"),
+    ("ack_in", "done", "sender: ack to the caller, woken by the future"),
+)
+"""(from, to, what) stamps of one send: the processes share ``time.perf_counter`` (CLOCK_MONOTONIC)."""
+
+
+class _Probe:
+    """Time stamps per request id at the points ``BREAKDOWN`` names, taken by wrapping the methods
+    that reach them (a microsecond or two each); ``close`` puts the methods back."""
+
+    def __init__(self, side: str) -> None:
+        from pdserve.kv_transfer import control, nixl_backend, zmq_backend
+
+        self.stamps: dict[str, dict[str, float]] = {}
+        self._undo: list = []
+        self.current: str | None = None  # the request of the job the peer thread runs
+        host, nixl, zmq_ = (
+            control.ControlReceiver,
+            nixl_backend.NixlReceiverPlane,
+            zmq_backend.ZmqReceiverPlane,
+        )
+        data = lambda a, r: a[1].request_id if not isinstance(a[1], control.KVCommit) else None  # noqa: E731
+        if side == "receiver":
+            for plane in (nixl, zmq_):
+                self._wrap(plane, "handle", "data_in", data, first=True)
+            self._wrap(zmq_, "handle", "landed", data, at_exit=True)
+            self._wrap(nixl, "_end", "landed", lambda a, r: a[1].request_id)
+            self._wrap(host, "_commit", "ack_out", lambda a, r: a[0].request_id, at_exit=True)
+            acked = lambda a, r: a[1].request_id if isinstance(a[1], control.KVAck) else None  # noqa: E731
+            self._wrap(control._Outbox, "put", "ack_out", acked)
+        else:
+            self._wrap(control.ControlSender, "send", "send", lambda a, r: a[2])
+            self._wrap(control.ControlSender, "send", "queued", lambda a, r: a[2], at_exit=True)
+            self._wrap(control._Peer, "_do", "picked", self._job)
+            # The first message a job puts on the connection, as it starts (the thread may well be
+            # preempted by the process it wakes before the call returns).
+            self._wrap(control._Peer, "send", "data_out", lambda a, r: self.current, first=True)
+            ack = lambda a, r: r.request_id if isinstance(r, control.KVAck) else None  # noqa: E731
+            self._wrap(control._Peer, "recv", "ack_in", ack, at_exit=True)
+
+    def _job(self, args, result) -> str | None:
+        self.current = args[0].request_id or None
+        return self.current
+
+    def _wrap(self, cls, name: str, key: str, rid_of, at_exit: bool = False, first: bool = False) -> None:
+        original = cls.__dict__[name]
+        stamps = self.stamps
+
+        def stamp(args, result) -> None:
+            now = time.perf_counter()
+            rid = rid_of(args, result)
+            if rid is not None and not (first and key in stamps.get(rid, ())):
+                stamps.setdefault(rid, {})[key] = now
+
+        if isinstance(original, staticmethod):
+            fn = original.__func__
+
+            def wrapped(*args, **kw):
+                if not at_exit:
+                    stamp(args, None)
+                result = fn(*args, **kw)
+                if at_exit:
+                    stamp(args, result)
+                return result
+
+            setattr(cls, name, staticmethod(wrapped))
+        else:
+
+            def wrapped(self, *args, **kw):
+                if not at_exit:
+                    stamp(args, None)
+                result = original(self, *args, **kw)
+                if at_exit:
+                    stamp(args, result)
+                return result
+
+            setattr(cls, name, wrapped)
+        self._undo.append((cls, name, original))
+
+    def close(self) -> dict[str, dict[str, float]]:
+        for cls, name, original in reversed(self._undo):
+            setattr(cls, name, original)
+        self._undo = []
+        return self.stamps
+
+
+def _breakdown_us(remote, sender, address, shape, count: int, tag: str) -> dict:
+    """Where a one-block send's time goes: p50 and p90 in microseconds of each step of ``BREAKDOWN``
+    over ``count`` sends (after 10 to warm up), and of the whole send."""
+    from pdserve.kv_transfer.messages import KVCommit
+
+    rids = [f"{tag}-probe-{i}" for i in range(count + 10)]
+    remote.call("reserve_many", (rids, 0))
+    info = _info("bench-prefill", shape)
+    remote.call("probe", True)
+    probe = _Probe("sender")
+    try:
+        for rid in rids:
+            ack = sender.send(address, info, rid, [0], [0], KVCommit(rid, 0), 30).result()
+            probe.stamps[rid]["done"] = time.perf_counter()
+            assert ack.ok, ack.error
+    finally:
+        ours = probe.close()
+        theirs = remote.call("probe", False)
+    remote.call("release_many", rids)
+    steps: dict[str, list[float]] = {}
+    for rid in rids[10:]:
+        t = {**theirs.get(rid, {}), **ours[rid]}
+        for start, end, what in (*BREAKDOWN, ("send", "done", "the whole send")):
+            if start in t and end in t:
+                steps.setdefault(what, []).append((t[end] - t[start]) * 1e6)
+    result = {}
+    for what, values in steps.items():
+        values.sort()
+        result[what] = {"p50": values[len(values) // 2], "p90": values[int(len(values) * 0.9)]}
+    return result
+
+
 def run(args: argparse.Namespace) -> dict:
     from pdserve import kv_transfer
     from pdserve.kv_transfer import NcclOptions, NixlOptions
@@ -393,10 +534,20 @@ def run(args: argparse.Namespace) -> dict:
 
     # The fixed cost of a send, before any size: one block, send to ack, many times in a row.
     fixed = {}
-    for name, sender in senders.items():
+    # On CUDA also nixl forced in place and packed (which way a one-block send should take).
+    timed = {**senders, **{k: v for k, v in forced.items() if k.startswith("nixl")}}
+    for name, sender in timed.items():
         fixed[name] = _fixed_cost_us(remote, sender, address, shape, args.one_block_count, name)
         p50, p90 = fixed[name]["p50"], fixed[name]["p90"]
         print(f"fixed cost of a one-block send, {name}: p50 {p50:.0f} us, p90 {p90:.0f} us", flush=True)
+    breakdown = {}
+    for name, sender in timed.items() if args.breakdown else ():
+        if name.split("-")[0] not in ("nixl", "zmq"):
+            continue
+        breakdown[name] = _breakdown_us(remote, sender, address, shape, args.one_block_count, name)
+        print(f"where a one-block send's time goes, {name} (us, p50 / p90):", flush=True)
+        for what, us in breakdown[name].items():
+            print(f"  {what:64s} {us['p50']:8.1f} {us['p90']:8.1f}", flush=True)
 
     tcp = None
     rows = []
@@ -435,7 +586,10 @@ def run(args: argparse.Namespace) -> dict:
             # READ by the receiver in one descriptor and in 2 MiB ones (a run of 32 blocks per layer
             # of Llama-3-8B), and WRITE by the sender (then a ping, so the receiver knows, as a READ's
             # reply tells the sender).
-            for label, piece in (("raw_nixl_read", 0), ("raw_nixl_read_2mib", 2 << 20)):
+            pieces = [("raw_nixl_read", 0), ("raw_nixl_read_2mib", 2 << 20)]
+            if cuda:  # the READ pdserve makes of blocks 0..n-1 in place, raw: one descriptor a layer
+                pieces.append(("raw_nixl_read_layers", (shape[0], max_blocks, n, block_bytes // shape[0])))
+            for label, piece in pieces:
                 runs[label] = functools.partial(
                     _raw_nixl_read, remote, nbytes, piece, op_times.setdefault(label, [])
                 )
@@ -478,6 +632,7 @@ def run(args: argparse.Namespace) -> dict:
                 "raw_gloo",
                 "raw_nixl_read",
                 "raw_nixl_read_op",
+                "raw_nixl_read_layers",
                 "raw_nixl_write",
                 "raw_copy",
                 "raw_tcp",
@@ -563,7 +718,8 @@ def run(args: argparse.Namespace) -> dict:
         "at the sender's request and timed by the sender to the receiver's answer (over a "
         "multiprocessing pipe); raw_nixl_read_op: the same READ timed inside the receiver, the "
         "operation alone; "
-        "(_2mib: the region in 2 MiB descriptors); raw_nixl_write: one NIXL WRITE of it by the sender, "
+        "(_2mib: the region in 2 MiB descriptors; _layers, on CUDA: the READ pdserve makes in place of "
+        "blocks 0..n-1, one descriptor per layer, raw); raw_nixl_write: one NIXL WRITE of it by the sender, "
         "then a ping to the receiver; raw_copy (--same-gpu): one device copy of the bytes; "
         "pdserve_nixl_inplace / _packed: nixl forced to READ the blocks in place (one descriptor per run "
         "and layer) or to pack them into staging slots (gather, one READ a slot, scatter); pdserve_nixl: the "
@@ -573,10 +729,13 @@ def run(args: argparse.Namespace) -> dict:
         "bytes / the fastest run (pdserve's and every anchor's alike; *_median_gb_s: the median run), "
         "ratio_* of those; every way runs once a round, the rounds in a row. "
         "one_block_send_us: the fixed cost of a send, one block from KVSender.send to "
-        "the ack, p50 and p90 of one_block_count sends in a row.",
+        "the ack, p50 and p90 of one_block_count sends in a row; one_block_breakdown_us (--breakdown): "
+        "the same sends again, time-stamped at each step of the protocol in both processes (by "
+        "wrapping the methods that reach it, ~1-2 us a stamp), p50 and p90 of each step.",
         "repeats": repeats,
         "one_block_count": args.one_block_count,
         "one_block_send_us": fixed,
+        "one_block_breakdown_us": breakdown,
         "nixl_max_desc_bytes": max_desc_bytes,
         "nccl_direct_min_run_bytes": NcclOptions().direct_min_run_bytes,
         "nixl_descriptors_per_piece": NixlOptions().descriptors_per_piece,
@@ -624,6 +783,11 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
         "--same-gpu",
         action="store_true",
         help="both processes on cuda:0 (one-GPU hosts; nixl over CUDA IPC, no nccl): protocol costs",
+    )
+    p.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="also time each step of a one-block send (nixl, zmq) in both processes",
     )
     p.add_argument("--dry-run", action="store_true", help="small sizes, one repeat, output to a temp file")
     p.add_argument("--output", default="", help="default docs/benchmarks/kv_transfer_<cpu|gpu>.json")
