@@ -362,8 +362,9 @@ class ControlReceiver(KVReceiver):
             # is gone: a new connection under an old routing id, or a bug here); not a refusal of
             # the request or the peer.
             self._refused("ignoring %s from a KV peer that did not pass the handshake", type(msg).__name__)
-            if isinstance(msg, KVCommit):
-                return KVAck(request_id=msg.request_id, ok=False, error="handshake first", lost=True)
+            commit = msg if isinstance(msg, KVCommit) else getattr(msg, "commit", None)
+            if isinstance(commit, KVCommit):  # alone, or carried by a send's last data message
+                return KVAck(request_id=commit.request_id, ok=False, error="handshake first", lost=True)
             return msg.refused("handshake first") if isinstance(msg, KVSetup) else None
         num_frames = 1 + msg.payload_frames
         if len(frames) != num_frames:
