@@ -83,7 +83,13 @@ class _Engine:
 def test_the_loop_emits_once_per_turn_and_survives_a_step_that_raises():
     engine = _Engine()
     emitted: list[list] = []
-    loop = EngineLoop(engine, emitted.append)
+
+    def emit(outputs: list) -> None:
+        emitted.append(outputs)
+        if len([x for x in emitted if x]) >= 2:
+            loop.stop()
+
+    loop = EngineLoop(engine, emit)
     loop.IDLE_WAIT_S = 0.001
 
     def add(e) -> None:
@@ -91,13 +97,6 @@ def test_the_loop_emits_once_per_turn_and_survives_a_step_that_raises():
         loop.publish("added")
 
     loop.submit(add)
-
-    def stop_after_three(outputs: list) -> None:
-        emitted.append(outputs)
-        if len([x for x in emitted if x]) >= 2:
-            loop.stop()
-
-    loop.emit = stop_after_three
     loop.run()
     with_outputs = [x for x in emitted if x]
     # The command's output and the first step's leave together; the failing step ends every

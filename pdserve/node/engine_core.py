@@ -283,6 +283,8 @@ class CoreState:
         for service in self.services:
             service.forget(request_id)
         engine.abort_request([request_id], status)
+        if not known:
+            self.deltas.pop(request_id, None)  # reserved, then ended before it produced anything
         if known:
             logger.info("request %s ended: %s", request_id, message)
             self.loop.publish(error_output(request_id, message))
