@@ -207,6 +207,10 @@ class CoreClient:
         self._out.close(0)
         self._in.close(0)
         self._ctx.term()
+        self.remove_files()
+
+    def remove_files(self) -> None:
+        """Remove the sockets' folder (also before a node whose core died exits)."""
         shutil.rmtree(self._dir, ignore_errors=True)
 
 

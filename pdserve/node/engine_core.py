@@ -114,6 +114,7 @@ class CoreState:
         """Request id -> what the node was sent of it (a request without one gets one at its first output)."""
         self.transfers: list[TransferDone] = []
         """KV sends that ended since the last ``StepOutputs``."""
+        self._load: NodeLoad | None = None  # the newest snapshot (``_on_idle``)
         self._load_sent: NodeLoad | None = None
         self._deadlines: dict[str, float] = {}  # request id -> unix deadline
         self._next_sweep = 0.0
@@ -146,7 +147,7 @@ class CoreState:
             self.publisher.start()
         for service in self.services:
             service.ready()
-        self._load_sent = node_load(engine.load())
+        self._load = self._load_sent = node_load(engine.load())
         return CoreReady(self.info, engine.simulation is not None, self._load_sent)
 
     @property
@@ -247,6 +248,9 @@ class CoreState:
             service.on_idle()
         self._sweep_deadlines()
         self._publish_block_events()
+        # What /internal/load answers, taken before the step as commands queued prompts: a prompt
+        # that one step computes still shows as queued to the routers polling.
+        self._load = node_load(self.engine.load())
 
     def _publish_block_events(self) -> None:
         if self.publisher is not None:
@@ -267,7 +271,7 @@ class CoreState:
                 del self.deltas[rid]
                 finished.append(rid)
         transfers, self.transfers = self.transfers, []
-        load = node_load(self.engine.load())
+        load = self._load
         changed = load != self._load_sent
         if events or finished or transfers or changed:
             self._load_sent = load

@@ -388,6 +388,7 @@ class NodeState:
                 waiter.set_result(TransferDone(request_id, message))
         if self.channel is not None:
             self.channel.flush()
+        self.core.remove_files()
         logger.critical("%s; the node exits", message)
         asyncio.get_running_loop().call_later(CORE_GONE_EXIT_S, _exit_now, 1)
 
