@@ -1,9 +1,9 @@
 """The engine core in a process of its own (as vLLM V1's EngineCore), on real processes.
 
 A node spawns its engine core; requests cross to it as typed messages and their tokens come back
-once per step; the core's counters reach the node's /metrics. Neither process outlives the other
-silently: a node whose core dies ends its streams with an error and exits, and a core whose node
-dies goes with it.
+once per step; the core's counters reach the node's /metrics. Neither process outlives the other:
+a node whose core dies exits at once (a dead node, to the proxy, which migrates its streams), and
+a core whose node dies goes with it.
 """
 
 from __future__ import annotations
@@ -115,7 +115,9 @@ def test_the_engine_runs_in_a_child_process_and_serves_through_it(nodes):
     assert _metric(node.url, "pdserve_kv_blocks_free") == _metric(node.url, "pdserve_kv_blocks_total")
 
 
-def test_a_node_whose_core_dies_ends_its_streams_and_exits(nodes):
+def test_a_node_whose_core_dies_exits_and_its_streams_see_it_go(nodes):
+    """To the proxy a node whose core died is a node that died: its connection drops (so the proxy
+    migrates the streams), it does not sit there without an engine."""
     node = nodes[0]
     with node_link.NodeLink(node.url) as link:
         _reserve(link, "long", 4000)
@@ -126,9 +128,11 @@ def test_a_node_whose_core_dies_ends_its_streams_and_exits(nodes):
             assert time.monotonic() < give_up, "no token came"
             link._recv(1.0)
         os.kill(node.core_pid, signal.SIGKILL)
-        events = link.read("long", timeout=15)
-    assert events[-1].finish_reason == "error" and "engine core" in events[-1].error, events[-1]
-    assert node.proc.wait(15) != 0  # the node exits, it does not sit there without an engine
+        assert node.proc.wait(10) != 0
+        with pytest.raises(TimeoutError):  # no final event: the stream was cut, not finished
+            link.read("long", timeout=1)
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"{node.url}/health", timeout=2)
 
 
 def test_a_core_whose_node_dies_goes_with_it(nodes):

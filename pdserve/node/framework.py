@@ -58,7 +58,6 @@ from pdserve.messages import (
     NodeLoad,
     Shutdown,
     StepOutputs,
-    TransferDone,
     decode,
     encode,
 )
@@ -379,18 +378,12 @@ class NodeState:
         self.channel.flush()
 
     def _core_died(self, why: str) -> None:
-        """The engine core is gone: every request ends with an error now and the node exits, so
-        the proxy migrates what it can instead of waiting for a node that cannot answer."""
-        message = f"the node's engine core is gone: {why}"
-        self.subs.fail_all(message)
-        for request_id, waiter in list(self.transfers.items()):
-            if not waiter.done():
-                waiter.set_result(TransferDone(request_id, message))
-        if self.channel is not None:
-            self.channel.flush()
+        """The engine core is gone: the node exits at once. To the proxy that is a node that died
+        (its connection drops), so it migrates the node's streams and retries its calls elsewhere,
+        instead of failing them with errors or waiting for a node that cannot answer."""
         self.core.remove_files()
-        logger.critical("%s; the node exits", message)
-        asyncio.get_running_loop().call_later(CORE_GONE_EXIT_S, _exit_now, 1)
+        logger.critical("the node's engine core is gone (%s); the node exits", why)
+        _exit_now(1)
 
     def _streams_lost(self, peer: Peer, request_ids: list[str]) -> None:
         """A proxy worker went away: its streams' requests end, as their HTTP connections closing did."""
@@ -470,10 +463,6 @@ class NodeState:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._drain_now.wait(), min(0.05, left))
         logger.info("drained")
-
-
-CORE_GONE_EXIT_S = 0.5
-"""How long a node whose engine core died keeps running to send its streams' errors."""
 
 
 def _exit_now(code: int) -> None:
