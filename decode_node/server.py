@@ -27,16 +27,20 @@ from fastapi import FastAPI
 from pdserve import kv_transfer
 from pdserve.config import EngineConfig, NodeConfig, Role
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.request import RequestStatus
 from pdserve.kv_transfer import ReservationTable
 from pdserve.kv_transfer.messages import KVCommit
 from pdserve.messages import (
     LandingDescriptor,
+    Reserve,
+    Reserved,
     ReserveRequest,
+    StartLocal,
     StreamRequest,
+    TokenEvent,
 )
 from pdserve.node.channel import ChannelServer, Peer
+from pdserve.node.core_client import CoreRefused
 from pdserve.node.engine_loop import error_output
 from pdserve.node.framework import (
     RETRY_AFTER_S,
@@ -47,7 +51,7 @@ from pdserve.node.framework import (
     node_info,
 )
 from pdserve.node.token_events import TokenEvents
-from pdserve.prefill_node.server import PrefillService
+from pdserve.prefill_node.server import PrefillService, add_prefill_calls
 
 logger = logging.getLogger(__name__)
 
@@ -62,8 +66,7 @@ class DecodeService(NodeService):
         super().__init__(state)
         self.table: ReservationTable | None = None
         self.receiver = None
-        self.holdback: dict[str, int] = {}  # event loop only: text held back near stop strings
-        # Engine thread only: local-prefill requests waiting for their stream, with a deadline.
+        # Local-prefill requests waiting for their stream, with a deadline.
         self.pending_local: dict[str, tuple[ReserveRequest, float]] = {}
 
     def start(self, transport: str) -> str:
@@ -90,7 +93,26 @@ class DecodeService(NodeService):
         if self.receiver is not None:
             self.receiver.close()
 
-    # -- engine thread -------------------------------------------------------------------------
+    def commands(self) -> dict:
+        return {
+            Reserve: self._reserve_call,
+            StartLocal: lambda msg: self.start_local(self.state.engine, msg.request_id),
+        }
+
+    def _reserve_call(self, call: Reserve) -> Reserved:
+        """The node's reserve (or local-prefill) call: the request's stream holds back text that
+        could still become a stop string (``TokenEvents``), from its first output on."""
+        msg = call.msg
+        engine = self.state.engine
+        if call.local:
+            reserved = ([], 0) if self.accept_local(engine, msg, call.lease_deadline) else None
+        else:
+            reserved = self.reserve(engine, msg, call.lease_deadline)
+        if reserved is None:
+            return Reserved(False)
+        hold = max((len(s) for s in msg.params.stop), default=1) - 1
+        self.state.deltas[msg.request_id] = TokenEvents(hold)
+        return Reserved(True, reserved[0], reserved[1])
 
     def reserve(
         self, engine: LLMEngine, msg: ReserveRequest, deadline: float
@@ -132,7 +154,7 @@ class DecodeService(NodeService):
             engine.add_request(request_id, None, msg.params, prompt_token_ids=msg.prompt_token_ids)
 
     def _on_commit(self, commit: KVCommit) -> None:
-        # Receiver thread: hand over to the engine thread.
+        # Receiver thread: hand over to the engine loop.
         self.state.loop.submit(lambda engine: self._landed(engine, commit))
 
     def _landed(self, engine: LLMEngine, commit: KVCommit) -> None:
@@ -167,84 +189,82 @@ class DecodeService(NodeService):
     def num_waiting(self) -> int:
         return len(self.pending_local)
 
-    def add_calls(self, channel: ChannelServer) -> None:
-        add_decode_calls(channel, self)
+
+def core_services(state) -> list[NodeService]:
+    """The engine-side services of a decode node, or of a co-located one (``--role both``), built
+    in its engine core process."""
+    services: list[NodeService] = [DecodeService(state)]
+    if state.node.role == Role.BOTH:
+        services.append(PrefillService(state))
+    return services
 
 
 def create_app(engine_config: EngineConfig, node: NodeConfig) -> FastAPI:
     """A decode node (``--role decode``), or with ``--role both`` a co-located node that also
     prefills: it serves whole requests itself and can take either half for other nodes."""
-    state = NodeState(engine_config, node)
-    state.services.append(DecodeService(state))
-    if node.role == Role.BOTH:
-        state.services.append(PrefillService(state))
-    return node_app(state)
+    calls = [add_decode_calls] + ([add_prefill_calls] if node.role == Role.BOTH else [])
+    return node_app(NodeState(engine_config, node, core_services, calls))
 
 
-def add_decode_calls(channel: ChannelServer, service: DecodeService) -> None:
-    state = service.state
-    holdback = service.holdback
+def add_decode_calls(channel: ChannelServer, state: NodeState) -> None:
+    """The decode role's calls on the request channel (node process)."""
 
     async def reserve(peer: Peer, msg: ReserveRequest) -> LandingDescriptor:
         lease = min(max(msg.lease_s, 0.1), MAX_LEASE_S)
         deadline = time.time() + lease
+        rid = msg.request_id
         async with state.admission(msg.deadline):  # raises NodeRefused: 429, 503 or 504
-            state.loop.subscribe(msg.request_id)
+            state.subs.subscribe(rid)
             try:
-                if msg.local_prefill:
-                    taken = await state.loop.call(lambda e: service.accept_local(e, msg, deadline))
-                    reserved = ([], 0) if taken else None
-                else:
-                    reserved = await state.loop.call(lambda e: service.reserve(e, msg, deadline))
-            except ValueError as e:
-                state.loop.unsubscribe(msg.request_id)
-                raise NodeRefused(400, str(e), "invalid_request_error") from None
-            except BaseException:
-                state.loop.unsubscribe(msg.request_id)
+                reserved: Reserved = await state.core.call(Reserve(msg, deadline, msg.local_prefill))
+            except CoreRefused as e:
+                state.subs.unsubscribe(rid)
+                if e.kind == "value_error":
+                    raise NodeRefused(400, e.message, "invalid_request_error") from None
                 raise
-        if reserved is None:
-            state.loop.unsubscribe(msg.request_id)
+            except BaseException as exc:
+                state.subs.unsubscribe(rid)
+                if isinstance(exc, asyncio.CancelledError):  # the reserve may still run: undo it after
+                    state.end_request(rid, "proxy gone")
+                raise
+        if not reserved.ok:
+            state.subs.unsubscribe(rid)
             message = "decode node has no free KV blocks for this prompt now"
             raise NodeRefused(503, message, "overloaded", RETRY_AFTER_S)
-        holdback[msg.request_id] = max((len(s) for s in msg.params.stop), default=1) - 1
         return LandingDescriptor(
-            request_id=msg.request_id,
+            request_id=rid,
             node_id=state.info.node_id,
             kv_address=state.info.kv_address,
-            block_ids=reserved[0],
-            first_block=reserved[1],
+            block_ids=reserved.block_ids,
+            first_block=reserved.first_block,
             num_prompt_tokens=len(msg.prompt_token_ids),
             lease_deadline=0.0 if msg.local_prefill else deadline,
             local_prefill=msg.local_prefill,
         )
 
     async def stream(peer: Peer, msg: StreamRequest) -> None:
-        """From now on the request's outputs go to ``peer`` as token events, batched per step."""
+        """From now on the request's events go to ``peer``, batched per step."""
         rid = msg.request_id
-        slot = state.loop.attach(rid)
-        if slot is None:
+        sub = state.subs.attach(rid)
+        if sub is None:
             raise NodeRefused(404, f"no reserved request {rid!r} to stream", "not_found")
-        hold = holdback.pop(rid, 0)
         peer.streams.add(rid)  # from here on, the peer leaving ends the request
         try:
-            await state.loop.call(lambda e: service.start_local(e, rid))
+            await state.core.call(StartLocal(rid))
         except asyncio.CancelledError:
-            state.loop.submit(lambda e: state.end_request(rid, RequestStatus.FINISHED_ABORTED, "proxy gone"))
+            state.end_request(rid, "proxy gone")
             raise
 
-        deltas = TokenEvents(hold)
+        def sink(event: TokenEvent) -> None:
+            channel.add_event(peer, event)
 
-        def sink(out: RequestOutput) -> None:
-            for event in deltas.events(out):
-                channel.add_event(peer, event)
-            if out.finished:
-                peer.streams.discard(rid)
-                state.loop.unsubscribe(rid)  # (a final output that came before us left it there)
+        def finished() -> None:
+            peer.streams.discard(rid)
+            state.subs.unsubscribe(rid)  # (a final output that came before us left it there)
 
-        unread = slot.take()
-        slot.sink = sink
-        if unread is not None:
-            sink(unread)
+        had_unread = bool(sub.events) or sub.finished
+        sub.set_sink(sink, finished)
+        if had_unread:
             channel.flush()
 
     channel.handle(ReserveRequest, reserve)

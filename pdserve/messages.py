@@ -229,6 +229,172 @@ ToNode = Hello | Call | Ping | Pong
 ToProxy = Welcome | Reply | Events | Ping | Pong
 
 
+# -- node process <-> its engine core process -----------------------------------------------------
+# A node runs its engine (and the engine-side halves of its roles: KV sender/receiver, the
+# reservation table, deadlines, prefix-index events) in a process of its own, as vLLM V1 runs its
+# EngineCore (pdserve/node/engine_core.py); the node process keeps HTTP and the request channel
+# (pdserve/node/core_client.py). They speak these messages over one ZeroMQ ipc:// pair.
+
+
+class AddPrefill(Message):
+    """Node -> core: open a prefill's shipment and queue its prompt (hold its blocks for the send)."""
+
+    msg: PrefillRequest
+
+
+class ClosePrefill(Message):
+    """Node -> core: the prefill's call handler returned; its lease is no longer renewed."""
+
+    request_id: str
+
+
+class KVHandshakeCall(Message):
+    """Node -> core: handshake with a decode node's KV receiver once (a refusal is remembered)."""
+
+    address: str
+
+
+class Reserve(Message):
+    """Node -> core: reserve blocks for KV computed elsewhere (``local`` false), or take a prompt
+    to compute here once its stream opens (``local`` true); ``lease_deadline`` is unix time."""
+
+    msg: ReserveRequest
+    lease_deadline: float
+    local: bool = False
+
+
+class StartLocal(Message):
+    """Node -> core: the stream of a locally prefilled request is open: queue its prompt."""
+
+    request_id: str
+
+
+class EndRequest(Message):
+    """Node -> core: end a request wherever it is (``status``: a ``RequestStatus`` name)."""
+
+    request_id: str
+    status: str
+    message: str
+
+
+class GetStats(Message):
+    """Node -> core: the engine's counters for /metrics (answered with ``CoreStats``)."""
+
+
+class IsIdle(Message):
+    """Node -> core: nothing left in the core that must finish before the node exits."""
+
+
+class EndAll(Message):
+    """Node -> core: end every request the core holds with an error (a drain that ran out)."""
+
+    message: str
+
+
+class Shutdown(Message):
+    """Node -> core: stop the engine loop, close the transports and exit."""
+
+
+class CoreCall(Message):
+    """Node -> core: a command; ``call_id`` 0 wants no reply, others get a ``CoreReply``."""
+
+    call_id: int
+    body: (
+        AddPrefill
+        | ClosePrefill
+        | KVHandshakeCall
+        | Reserve
+        | StartLocal
+        | EndRequest
+        | GetStats
+        | IsIdle
+        | EndAll
+        | Shutdown
+    )
+
+
+class Reserved(Message):
+    """Core -> node: the blocks a prompt's KV lands in and the index of the prompt block the first
+    takes (empty for a local prefill); ``ok`` false when too few blocks are free now."""
+
+    ok: bool
+    block_ids: list[int] = []
+    first_block: int = 0
+
+
+class Flag(Message):
+    value: bool
+
+
+class Count(Message):
+    value: int
+
+
+class CoreStats(Message):
+    """Core -> node: what ``LLMEngine.load`` says, and the KV bytes the transports moved."""
+
+    num_running: int
+    num_waiting: int
+    num_waiting_for_kv: int
+    num_held: int
+    num_free_blocks: int
+    num_blocks: int
+    num_pending_prompt_tokens: int
+    num_prompt_tokens_computed: int
+    num_prefix_hit_tokens: int
+    num_jit_compiles: int
+    transfer_bytes: int
+
+
+class CoreReply(Message):
+    """Core -> node: the answer to a ``CoreCall``; ``status`` keeps HTTP's meanings (``kind``
+    ``value_error``: the engine can never serve the request)."""
+
+    call_id: int
+    status: int = 200
+    body: Reserved | Flag | Count | CoreStats | None = None
+    error: str = ""
+    kind: str = ""
+    retry_after: float | None = None
+
+
+class TransferDone(Message):
+    """Core -> node: a prefill's last KV send is over (``error`` empty: the decode node acked it
+    after ``seconds``)."""
+
+    request_id: str
+    error: str = ""
+    seconds: float = 0.0
+
+
+class StepOutputs(Message):
+    """Core -> node: one message per engine step (or idle turn with news): every token event of
+    the step, the requests whose outputs ended (each sequence's own end is in its events), the KV
+    sends that ended, and the node's load when it changed."""
+
+    events: list[TokenEvent]
+    finished: list[str] = []
+    transfers: list[TransferDone] = []
+    load: NodeLoad | None = None
+
+
+class CoreReady(Message):
+    """Core -> node, once: the engine is loaded and the transports listen."""
+
+    info: NodeInfo
+    simulated: bool
+    load: NodeLoad
+
+
+class CoreFailed(Message):
+    """Core -> node: the core could not start (or its loop died); the node exits."""
+
+    error: str
+
+
+FromCore = CoreReply | StepOutputs | CoreReady | CoreFailed
+
+
 _encoder = msgspec.msgpack.Encoder()
 _decoders: dict[Any, msgspec.msgpack.Decoder] = {}
 

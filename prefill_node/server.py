@@ -14,7 +14,13 @@ descriptor):
    later prompts.
 4. The sender delivers the KV and the commit (first token, its logprobs, the seeded
    sampler's state, cached-token count) and waits for the decode node's ack; the call's
-   reply is that outcome. The proxy worker leaving (or an abort) ends the prefill.
+   reply is that outcome (a ``TransferDone`` from the engine core). The proxy worker leaving (or
+   an abort) ends the prefill.
+
+``PrefillService`` runs in the node's engine core process (``pdserve.node.engine_core``): the
+sender, the shipments and the lease renewals live beside the engine; the call handler
+(``add_prefill_calls``) runs in the node process and reaches it through typed commands
+(``KVHandshakeCall``, ``AddPrefill``, ``ClosePrefill``).
 
 Blocks are shipped from the engine step that computes them, right after its forward was
 launched (``LLMEngine.add_launch_listener``): on CUDA with one event per layer, so the
@@ -23,8 +29,8 @@ prefilled in chunks ships each chunk's full blocks while the next chunk runs. Th
 follows after the step. A preempted prompt's blocks may be reused before such a chunk was
 read, so after a preemption its blocks are shipped again from the first one.
 
-Each prompt in flight is one ``Shipment``: where its KV goes, what was shipped, its lease
-renewals and the future its call handler waits on, each field written by one thread.
+Each prompt in flight is one ``Shipment``: where its KV goes, what was shipped and its lease
+renewals, each field written by one thread.
 """
 
 from __future__ import annotations
@@ -33,8 +39,9 @@ import asyncio
 import dataclasses
 import enum
 import logging
+import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from fastapi import FastAPI
@@ -43,23 +50,26 @@ from pdserve import kv_transfer
 from pdserve.config import EngineConfig, NodeConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.outputs import LaunchedChunk, RequestOutput
-from pdserve.engine.request import RequestStatus
-from pdserve.kv_transfer import KVHandshakeRefused, KVTransferError
+from pdserve.kv_transfer import KVHandshakeRefused
 from pdserve.kv_transfer.messages import KVCommit
 from pdserve.messages import (
+    AddPrefill,
+    ClosePrefill,
+    KVHandshakeCall,
     LandingDescriptor,
     LogprobsMsg,
     PrefillRequest,
     PrefillResult,
+    TransferDone,
 )
 from pdserve.node.channel import ChannelServer, Peer
+from pdserve.node.core_client import CoreRefused
 from pdserve.node.framework import (
     NodeRefused,
     NodeService,
     NodeState,
     node_app,
 )
-from pdserve.node.token_events import logprobs_msgs
 from pdserve.utils import cdiv
 
 logger = logging.getLogger(__name__)
@@ -83,40 +93,40 @@ class Stage(enum.Enum):
 class Shipment:
     """One prompt's KV on its way to a decode node, from its admission until its call handler returns.
 
-    Threads: the event loop creates it and owns its membership in ``PrefillService.shipments``
-    (it alone adds and removes; the engine thread only looks ids up there). Each field below says
-    which thread writes it; the other thread does not read it.
-    """
+    Threads (all in the engine core process): the engine loop creates it and owns its membership
+    in ``PrefillService.shipments`` (``open``, ``close``); the lease renewer only reads that dict.
+    Each field below says which thread writes it."""
 
     request_id: str
     landing: LandingDescriptor
     """Where the KV goes: the decode node's blocks and address (never changes)."""
-    transfer: asyncio.Future | None = None
-    """Event loop: the outcome of the last send, the decode node's ack or a ``KVTransferError``
-    (None only where no call handler waits, as in tests that drive the service directly)."""
     renew_at: float = 0.0
-    """Event loop: when the decode node's lease is renewed next (``time.monotonic``)."""
+    """Renewer: when the decode node's lease is renewed next (``time.monotonic``)."""
     renew_every: float = 0.0
-    """Event loop: a third of the lease's length."""
+    """A third of the lease's length (never changes)."""
     stage: Stage = Stage.ADMITTED
-    """Engine thread (set by the event loop only when created)."""
+    """Engine loop."""
     num_blocks_sent: int = 0
-    """Engine thread: leading landing blocks shipped from launched steps."""
+    """Engine loop: leading landing blocks shipped from launched steps."""
     num_preemptions: int = 0
-    """Engine thread: the prompt's preemptions when those blocks were shipped; after another one
+    """Engine loop: the prompt's preemptions when those blocks were shipped; after another one
     they may have been reused before they were read, and are shipped again."""
 
 
 class PrefillService(NodeService):
     """Computes prompts whose decode happens on another node, and ships their KV there."""
 
-    def __init__(self, state: NodeState) -> None:
+    RENEW_TICK_S = 0.05
+
+    def __init__(self, state) -> None:
         super().__init__(state)
         self.sender = None
         self.shipments: dict[str, Shipment] = {}
-        """Request id -> its shipment; added and removed on the event loop only (``open``, ``close``)."""
-        self._renewer: asyncio.Task | None = None
-        self._handshakes: dict[str, asyncio.Future] = {}  # event loop only: decode KV address -> handshake
+        """Request id -> its shipment; added and removed on the engine loop only (``open``, ``close``)."""
+        self._stop = threading.Event()
+        self._renewer: threading.Thread | None = None
+        self._handshakes: dict[str, Future] = {}  # engine loop only: decode KV address -> handshake
+        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-handshake")
 
     def start(self, transport: str) -> str:
         self.sender = kv_transfer.create_sender(
@@ -127,33 +137,61 @@ class PrefillService(NodeService):
         return ""
 
     def ready(self) -> None:
-        self._renewer = asyncio.ensure_future(self._renew_leases())
+        self._renewer = threading.Thread(target=self._renew_leases, name="lease-renewer", daemon=True)
+        self._renewer.start()
 
     @property
     def transfer_bytes(self) -> int:
         return self.sender.bytes_sent if self.sender is not None else 0
 
     def stop(self) -> None:
-        if self._renewer is not None:
-            self._renewer.cancel()
+        self._stop.set()
+        self._pool.shutdown(wait=False, cancel_futures=True)
         if self.sender is not None:
             self.sender.close()
 
-    # -- event loop ----------------------------------------------------------------------------
+    def commands(self) -> dict:
+        return {
+            KVHandshakeCall: self._handshake_call,
+            AddPrefill: self._add_call,
+            ClosePrefill: lambda msg: self.close(msg.request_id),
+        }
 
-    async def handshake(self, address: str) -> None:
-        """Once per decode node; a refusal (``KVHandshakeRefused``) is remembered and repeated for
-        every request, other failures are tried again by the next request."""
+    # -- engine loop ---------------------------------------------------------------------------
+
+    def handshake(self, address: str) -> Future:
+        """Once per decode node, on a thread; a refusal (``KVHandshakeRefused``) is remembered and
+        repeated for every request, other failures are tried again by the next request."""
         fut = self._handshakes.get(address)
         if fut is None or (
             fut.done() and fut.exception() is not None and not isinstance(fut.exception(), KVHandshakeRefused)
         ):
-            fut = self._handshakes[address] = asyncio.ensure_future(self._handshake(address))
-        await asyncio.shield(fut)
+            timeout = self.state.node.kv_transfer_timeout_s
+            fut = self._handshakes[address] = self._pool.submit(
+                self.sender.handshake, address, self.state.info, timeout
+            )
+        return fut
 
-    async def _handshake(self, address: str) -> None:
-        timeout = self.state.node.kv_transfer_timeout_s
-        await asyncio.to_thread(self.sender.handshake, address, self.state.info, timeout)
+    def _handshake_call(self, call: KVHandshakeCall) -> Future:
+        answer: Future = Future()  # no body: the peer's info stays here
+
+        def done(f: Future) -> None:
+            exc = f.exception()
+            if exc is not None:
+                answer.set_exception(exc)
+            else:
+                answer.set_result(None)
+
+        self.handshake(call.address).add_done_callback(done)
+        return answer
+
+    def _add_call(self, call: AddPrefill) -> None:
+        shipment = self.open(call.msg)  # its lease is renewed from now on
+        try:
+            self.add(self.state.engine, call.msg, shipment)
+        except BaseException:
+            self.close(call.msg.request_id)
+            raise
 
     def open(self, msg: PrefillRequest) -> Shipment:
         """Track a prompt from its admission on: its lease is renewed from now. Raises ValueError
@@ -162,31 +200,20 @@ class PrefillService(NodeService):
         if rid in self.shipments:
             raise ValueError(f"duplicate request id {rid!r}")
         period = max(0.1, (msg.landing.lease_deadline - time.time()) / 3)
-        shipment = Shipment(
-            rid,
-            msg.landing,
-            transfer=asyncio.get_running_loop().create_future(),
-            renew_at=time.monotonic() + period,
-            renew_every=period,
-        )
+        shipment = Shipment(rid, msg.landing, renew_at=time.monotonic() + period, renew_every=period)
         self.shipments[rid] = shipment
         return shipment
 
-    def close(self, shipment: Shipment) -> None:
+    def close(self, request_id: str) -> None:
         """The prompt's call handler is done with it: its lease is no longer renewed, and the
         outcome of a send still in flight has no one to go to."""
-        if self.shipments.get(shipment.request_id) is shipment:
-            del self.shipments[shipment.request_id]
-        if shipment.transfer is not None and not shipment.transfer.done():
-            shipment.transfer.cancel()
+        self.shipments.pop(request_id, None)
 
-    async def _renew_leases(self) -> None:
+    def _renew_leases(self) -> None:
         """While a prompt is on this node, renew its decode lease three times per lease length.
 
-        Runs on the event loop, not the engine thread, so long engine steps cannot delay it.
-        """
-        while True:
-            await asyncio.sleep(0.05)
+        A thread of its own, not the engine loop, so long engine steps cannot delay it."""
+        while not self._stop.wait(self.RENEW_TICK_S):
             now = time.monotonic()
             due: dict[str, list[str]] = {}
             for shipment in list(self.shipments.values()):
@@ -194,19 +221,10 @@ class PrefillService(NodeService):
                     due.setdefault(shipment.landing.kv_address, []).append(shipment.request_id)
                     shipment.renew_at = now + shipment.renew_every
             for address, request_ids in due.items():
-                self.sender.renew(address, self.state.info, request_ids)
-
-    def _resolve(self, shipment: Shipment, fut: Future) -> None:
-        """The send is over: its outcome goes to the call handler waiting for it."""
-        waiter = shipment.transfer
-        if waiter is not None and not waiter.done():
-            exc = fut.exception()
-            if exc is not None:
-                waiter.set_exception(exc)
-            else:
-                waiter.set_result(fut.result())
-
-    # -- engine thread -------------------------------------------------------------------------
+                try:
+                    self.sender.renew(address, self.state.info, request_ids)
+                except Exception:
+                    logger.exception("renewing leases at %s failed", address)
 
     def add(self, engine: LLMEngine, msg: PrefillRequest, shipment: Shipment) -> None:
         """Queue the prompt of a shipment ``open`` made; raises ``NodeRefused`` when the node's
@@ -223,10 +241,10 @@ class PrefillService(NodeService):
         self.state.track_deadline(msg.request_id, msg.deadline)
 
     def busy(self) -> bool:
-        # One atomic ``len`` of the event loop's dict: a shipment is there from before its prompt
-        # reaches the engine until its handler returns; a send still in flight after that keeps
-        # its blocks pinned in the engine, which keeps the node busy too.
-        return bool(len(self.shipments))
+        # A shipment is there from before its prompt reaches the engine until its handler returns
+        # (``ClosePrefill``); a send still in flight after that keeps its blocks pinned in the
+        # engine, which keeps the node busy too.
+        return bool(self.shipments)
 
     def _prefilling(self, request_id: str) -> Shipment | None:
         shipment = self.shipments.get(request_id)
@@ -310,17 +328,19 @@ class PrefillService(NodeService):
             shipment.num_blocks_sent = ready
 
     def _transfer_done(self, shipment: Shipment, fut: Future, started: float) -> None:
-        # The sender's thread (or the engine thread when the send failed at once).
-        if fut.exception() is None:
-            self.state.metrics.transfer_seconds.observe(time.monotonic() - started)
-        self.state.loop.submit(lambda engine: self._release(engine, shipment))
-        self.state.loop.loop.call_soon_threadsafe(self._resolve, shipment, fut)
+        # The sender's thread (or the engine loop when the send failed at once).
+        seconds = time.monotonic() - started
+        self.state.loop.submit(lambda engine: self._release(engine, shipment, fut, seconds))
 
-    def _release(self, engine: LLMEngine, shipment: Shipment) -> None:
-        """The send is over: the transport no longer reads the blocks (engine thread)."""
+    def _release(self, engine: LLMEngine, shipment: Shipment, fut: Future, seconds: float) -> None:
+        """The send is over: the transport no longer reads the blocks; its outcome goes to the
+        call handler in the node process."""
         shipment.stage = Stage.DONE
         engine.unpin_held(shipment.request_id)
         engine.release_held(shipment.request_id)
+        exc = fut.exception()
+        error = "" if exc is None else (str(exc) or type(exc).__name__)
+        self.state.transfers.append(TransferDone(shipment.request_id, error, seconds))
 
     def forget(self, request_id: str) -> None:
         # Nothing more is shipped from its steps. A last send in flight keeps its blocks pinned
@@ -328,9 +348,6 @@ class PrefillService(NodeService):
         shipment = self._prefilling(request_id)
         if shipment is not None:
             shipment.stage = Stage.DONE
-
-    def add_calls(self, channel: ChannelServer) -> None:
-        add_prefill_calls(channel, self)
 
 
 def _validate(msg: PrefillRequest, block_size: int) -> str:
@@ -351,15 +368,18 @@ def _validate(msg: PrefillRequest, block_size: int) -> str:
     return ""
 
 
+def core_services(state) -> list[NodeService]:
+    """The engine-side service of a prefill node, built in its engine core process."""
+    return [PrefillService(state)]
+
+
 def create_app(engine_config: EngineConfig, node: NodeConfig) -> FastAPI:
     """A prefill node (``--role prefill``)."""
-    state = NodeState(engine_config, node)
-    state.services.append(PrefillService(state))
-    return node_app(state)
+    return node_app(NodeState(engine_config, node, core_services, [add_prefill_calls]))
 
 
-def add_prefill_calls(channel: ChannelServer, service: PrefillService) -> None:
-    state = service.state
+def add_prefill_calls(channel: ChannelServer, state: NodeState) -> None:
+    """The prefill role's call on the request channel (node process)."""
 
     def fail(msg: PrefillRequest, status: int, error: str) -> NodeRefused:
         logger.warning("prefill of %s failed: %s", msg.request_id, error)
@@ -368,67 +388,63 @@ def add_prefill_calls(channel: ChannelServer, service: PrefillService) -> None:
     async def prefill(peer: Peer, msg: PrefillRequest) -> PrefillResult:
         """Answers once the KV is committed on the decode node (or failed)."""
         arrived = time.monotonic()
-        error = _validate(msg, state.engine.config.cache.block_size)
+        error = _validate(msg, state.info.block_size)
         if error:
             raise fail(msg, 500, error)  # a cluster bug, not the client's
+        rid = msg.request_id
         async with state.admission(msg.deadline):  # raises NodeRefused: 429, 503 or 504
             try:
-                await service.handshake(msg.landing.kv_address)
-            except KVTransferError as e:
-                raise fail(msg, 502, str(e)) from None
+                await state.core.call(KVHandshakeCall(msg.landing.kv_address))
+            except CoreRefused as e:
+                if e.kind == "kv_transfer_error":
+                    raise fail(msg, 502, e.message) from None
+                raise
+            if rid in state.transfers:
+                raise fail(msg, 400, f"duplicate request id {rid!r}")
+            sub = state.subs.subscribe(rid)
+            transfer = state.transfers[rid] = asyncio.get_running_loop().create_future()
             try:
-                shipment = service.open(msg)  # its lease is renewed from now on
-            except ValueError as e:
-                raise fail(msg, 400, str(e)) from None
-            try:
-                outputs = await _add(msg, shipment)
-            except ValueError as e:
-                service.close(shipment)
-                raise fail(msg, 400, str(e)) from None
-            except BaseException:
-                service.close(shipment)
+                await state.core.call(AddPrefill(msg))  # opens its shipment: the lease is renewed
+            except BaseException as exc:
+                _forget(rid, transfer)
+                if isinstance(exc, asyncio.CancelledError):  # the add may still run: undo it after
+                    state.end_request(rid, "proxy gone")
+                    state.core.send(ClosePrefill(rid))
+                if isinstance(exc, CoreRefused) and exc.kind == "value_error":
+                    raise fail(msg, 400, exc.message) from None
                 raise
         try:
-            return await _prefill(msg, outputs, shipment.transfer, arrived)
+            return await _prefill(msg, sub, transfer, arrived)
         finally:
-            service.close(shipment)
+            _forget(rid, transfer)
+            state.core.send(ClosePrefill(rid))
 
-    async def _add(msg: PrefillRequest, shipment: Shipment):
-        """Queue the prompt in the engine; its output slot."""
-        rid = msg.request_id
-        outputs = state.loop.subscribe(rid)
-        try:
-            await state.loop.call(lambda e: service.add(e, msg, shipment))
-        except BaseException as exc:
-            state.loop.unsubscribe(rid)
-            if isinstance(exc, asyncio.CancelledError):  # the add may still run: undo it after
-                gone = RequestStatus.FINISHED_ABORTED
-                state.loop.submit(lambda e: state.end_request(rid, gone, "proxy gone"))
-            raise
-        return outputs
+    def _forget(rid: str, transfer: asyncio.Future) -> None:
+        # This handler is the subscription's only reader: once it returns, nothing reads it, and
+        # one left behind would hold the node's drain until it expires.
+        state.subs.unsubscribe(rid)
+        if state.transfers.get(rid) is transfer:
+            del state.transfers[rid]
 
-    async def _prefill(msg: PrefillRequest, outputs, transfer: asyncio.Future, arrived: float):
+    async def _prefill(msg: PrefillRequest, sub, transfer: asyncio.Future, arrived: float) -> PrefillResult:
         rid = msg.request_id
         try:
-            out = await outputs.get()
+            events = await sub.wait_finished()
             state.metrics.prefill_seconds.observe(time.monotonic() - arrived)
-            if out.outputs[0].finish_reason == "error":  # ended before its KV was sent: none will be
-                raise fail(msg, 500, str(out.outputs[0].stop_reason))
-            await transfer
-        except KVTransferError as e:
-            raise fail(msg, 502, str(e)) from None
+            failed = next((e for e in events if e.finish_reason == "error"), None)
+            if failed is not None or not events:  # ended before its KV was sent: none will be
+                raise fail(msg, 500, failed.error if failed is not None else "the prefill produced no token")
+            done: TransferDone = await transfer
+            if done.error:
+                raise fail(msg, 502, done.error)
         except asyncio.CancelledError:  # the proxy left (or aborted the call)
-            state.loop.submit(lambda e: state.end_request(rid, RequestStatus.FINISHED_ABORTED, "proxy gone"))
+            state.end_request(rid, "proxy gone")
             raise
-        finally:
-            # This handler is the slot's only reader: once it returns, nothing reads the slot, and a
-            # slot left behind would hold the node's drain until it expires.
-            state.loop.unsubscribe(rid)
-        prompt_logprobs = None if out.prompt_logprobs is None else logprobs_msgs(out.prompt_logprobs)
+        prompt_logprobs = next((e.prompt_logprobs for e in events if e.prompt_logprobs is not None), None)
         return PrefillResult(
             request_id=rid,
             ok=True,
-            num_cached_tokens=out.num_cached_tokens,
+            num_cached_tokens=events[-1].num_cached_tokens,
             prompt_logprobs=prompt_logprobs,
         )
 

@@ -363,7 +363,6 @@ class _Loop:
 
     def __init__(self) -> None:
         self.commands: list = []
-        self.loop = types.SimpleNamespace(call_soon_threadsafe=lambda fn, *args: None)
 
     def submit(self, fn) -> None:
         self.commands.append(fn)
@@ -392,7 +391,7 @@ def test_prefill_service_frees_the_blocks_only_when_the_send_is_over(engine, cas
         loop=loop,
         info=None,
         node=types.SimpleNamespace(kv_transfer_timeout_s=5.0),
-        metrics=types.SimpleNamespace(transfer_seconds=types.SimpleNamespace(observe=lambda s: None)),
+        transfers=[],
     )
     service = PrefillService(state)
     service.sender = _Sender()

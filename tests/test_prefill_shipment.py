@@ -4,7 +4,6 @@ remembered as ``KVHandshakeRefused``."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 import types
 from concurrent.futures import Future
@@ -32,6 +31,9 @@ class _Sender:
             fut.set_result(None)
         return fut
 
+    def close(self) -> None:
+        pass
+
     def handshake(self, address, info, timeout):
         self.handshakes.append(address)
         if self.handshake_error is not None:
@@ -42,12 +44,10 @@ def _service(engine: LLMEngine | None) -> tuple[PrefillService, list]:
     commands: list = []
     state = types.SimpleNamespace(
         engine=engine,
-        loop=types.SimpleNamespace(
-            submit=commands.append, loop=types.SimpleNamespace(call_soon_threadsafe=lambda fn, *a: None)
-        ),
+        loop=types.SimpleNamespace(submit=commands.append),
         info=None,
         node=types.SimpleNamespace(kv_transfer_timeout_s=5.0),
-        metrics=types.SimpleNamespace(transfer_seconds=types.SimpleNamespace(observe=lambda s: None)),
+        transfers=[],
     )
     service = PrefillService(state)
     service.sender = _Sender()
@@ -83,6 +83,7 @@ def test_a_chunked_prompt_ships_each_chunk_then_commits_and_is_released_after_th
     (release,) = commands
     release(engine)
     assert shipment.stage is Stage.DONE and engine.held_block_ids(rid) is None
+    assert [(t.request_id, t.error) for t in service.state.transfers] == [(rid, "")]  # for the node
     assert engine.num_free_blocks == 32
     engine.scheduler.check_integrity()
 
@@ -96,13 +97,13 @@ def test_a_chunked_prompt_ships_each_chunk_then_commits_and_is_released_after_th
     ],
 )
 def test_a_refused_handshake_is_remembered_other_failures_are_retried(error, remembered):
-    async def run() -> None:
-        service, _ = _service(None)
-        service.sender.handshake_error = error
+    service, _ = _service(None)
+    service.sender.handshake_error = error
+    try:
         for _ in range(2):
             with pytest.raises(KVTransferError) as info:
-                await service.handshake("tcp://d")
+                service.handshake("tcp://d").result(timeout=5)
             assert isinstance(info.value, KVHandshakeRefused) == remembered and info.value is error
         assert len(service.sender.handshakes) == (1 if remembered else 2)
-
-    asyncio.run(run())
+    finally:
+        service.stop()

@@ -1,8 +1,13 @@
-"""What every node shares: engine start-up, services, node info, prefix-index publishing, the
-request channel and the internal HTTP plumbing.
+"""What every node shares: the engine core process and its services, node info, the request
+channel and the internal HTTP plumbing.
+
+A node is two processes, as vLLM V1's API server and EngineCore: this one (``NodeState``) serves
+HTTP and the request channel, admits, drains and relays token events; the engine core
+(``pdserve.node.engine_core``, spawned by ``pdserve.node.core_client``) runs the engine and the
+roles' engine-side services. They speak typed messages over ZeroMQ.
 
 The request path (reserve, prefill, token stream, abort) arrives on the request channel
-(``pdserve.node.channel``), where each service registers its calls; HTTP serves health, info,
+(``pdserve.node.channel``), where each role registers its calls; HTTP serves health, info,
 load, metrics and an operator's abort. Both speak msgpack-encoded ``pdserve.messages`` structs;
 refusals carry an HTTP status (in the channel's ``Reply``, or as an OpenAI-style JSON error) so
 the proxy can pass them on.
@@ -14,8 +19,11 @@ Admission and shutdown (the same for every role):
   has passed. A request whose deadline passes later is dropped wherever it is, blocks freed.
 - SIGTERM (or SIGINT) starts a drain: ``/health`` and ``/internal/load`` answer 503 (the proxy
   stops routing here), new work gets 503, what the node holds runs to its end (streams finish,
-  prefills hand off their KV). Then the signal goes on to the server, which exits. Requests still
-  there after ``shutdown_timeout_s``, or at a second signal, end with an error output.
+  prefills hand off their KV). Then the signal goes on to the server, which exits and stops the
+  core. Requests still there after ``shutdown_timeout_s``, or at a second signal, end with an
+  error output.
+- The core dies with the node (it asks the kernel to kill it when its parent dies); a core that
+  dies ends every request of the node with an error and the node exits.
 """
 
 from __future__ import annotations
@@ -25,10 +33,12 @@ import contextlib
 import dataclasses
 import hmac
 import logging
+import os
 import signal
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import msgspec
 from fastapi import FastAPI, HTTPException, Request
@@ -36,14 +46,29 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from pdserve import kv_transfer
 from pdserve.config import EngineConfig, NodeConfig, Role, dtype_name
-from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.outputs import EngineLoad, RequestOutput
-from pdserve.engine.request import RequestStatus
-from pdserve.messages import AbortRequest, Message, NodeInfo, NodeLoad, decode, encode
+from pdserve.messages import (
+    AbortRequest,
+    CoreStats,
+    EndAll,
+    EndRequest,
+    GetStats,
+    IsIdle,
+    Message,
+    NodeInfo,
+    NodeLoad,
+    Shutdown,
+    StepOutputs,
+    decode,
+    encode,
+)
 from pdserve.metrics import CONTENT_TYPE, LATENCY_BUCKETS, Registry
 from pdserve.node.channel import CallRefused, ChannelServer, Peer
-from pdserve.node.engine_loop import EngineLoop, error_output
-from pdserve.prefix_index import IndexPublisher, NodeRegistration, redacted
+from pdserve.node.core_client import CoreClient, Subscriptions
+from pdserve.prefix_index import redacted
+
+if TYPE_CHECKING:  # the node process does not need the engine: it runs in the core's process
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.outputs import EngineLoad, RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -133,8 +158,6 @@ class NodeRefused(CallRefused):
 
 RETRY_AFTER_S = 1.0
 """What a refused caller is told to wait: a queue slot or KV blocks free within about a second."""
-DEADLINE_SWEEP_S = 0.05
-"""How often the engine thread looks for requests past their deadline."""
 FLUSH_TIMEOUT_S = 5.0
 """After a drain ends requests with errors, how long their handlers get to send them."""
 
@@ -188,214 +211,195 @@ class NodeMetrics:
         counter.inc(max(0.0, total - self._last.get(key, 0.0)))
         self._last[key] = total
 
-    def render(self, load: EngineLoad | None, transfer_bytes: int) -> str:
-        """The metrics text; ``load`` is the engine's (``LLMEngine.load``), None before it started."""
-        if load is not None:
-            self.blocks_total.set(load.num_blocks)
-            self.blocks_free.set(load.num_free_blocks)
-            self.running.set(load.num_running)
-            self.waiting.set(load.num_waiting + load.num_waiting_for_kv)
-            self._advance(self.prompt_tokens, "prompt", load.num_prompt_tokens_computed)
-            self._advance(self.prefix_hits, "hits", load.num_prefix_hit_tokens)
-            self._advance(self.jit_compiles, "jit", load.num_jit_compiles)
-        self._advance(self.transfer_bytes, "bytes", transfer_bytes)
+    def render(self, stats: CoreStats | None) -> str:
+        """The metrics text; ``stats`` are the engine core's (None before it started)."""
+        if stats is not None:
+            self.blocks_total.set(stats.num_blocks)
+            self.blocks_free.set(stats.num_free_blocks)
+            self.running.set(stats.num_running)
+            self.waiting.set(stats.num_waiting + stats.num_waiting_for_kv)
+            self._advance(self.prompt_tokens, "prompt", stats.num_prompt_tokens_computed)
+            self._advance(self.prefix_hits, "hits", stats.num_prefix_hit_tokens)
+            self._advance(self.jit_compiles, "jit", stats.num_jit_compiles)
+            self._advance(self.transfer_bytes, "bytes", stats.transfer_bytes)
         return self.registry.render()
 
 
 class NodeService:
-    """One role's part of a node: ``prefill_node.PrefillService`` computes prompts for decode
-    nodes, ``decode_node.DecodeService`` takes requests and generates. A ``both`` node runs the
-    two on one engine. Hooks marked *engine thread* run between engine steps."""
+    """One role's engine-side part of a node, run in the node's engine core process
+    (``pdserve.node.engine_core``): ``prefill_node.PrefillService`` computes prompts for decode
+    nodes, ``decode_node.DecodeService`` takes requests and generates. A ``both`` node runs the two
+    on one engine. ``state`` is the core's ``CoreState``; every hook runs on the engine loop's
+    thread, between engine steps, unless it says otherwise. The role's request-channel calls run
+    in the node process and reach the service through the typed commands it registers
+    (``commands``)."""
 
-    def __init__(self, state: NodeState) -> None:
+    def __init__(self, state) -> None:
         self.state = state
 
     def start(self, transport: str) -> str:
-        """Set up the service's KV transport end (event loop, engine loaded); returns the
-        address peers send KV to, or "" when the service receives none."""
+        """Set up the service's KV transport end (engine loaded); returns the address peers send
+        KV to, or "" when the service receives none."""
         return ""
 
     def ready(self) -> None:
-        """The node's info is final and the engine loop is about to start (event loop)."""
+        """The node's info is final and the engine loop is about to start."""
 
     def stop(self) -> None: ...
 
+    def commands(self) -> dict[type, Callable]:
+        """The node's commands (``pdserve.messages`` types) this service answers: each handler
+        takes the message and returns the reply's body (a ``concurrent.futures.Future`` of it when
+        the answer comes later), or raises ``NodeRefused``/ValueError."""
+        return {}
+
     def after_step(self, outputs: list[RequestOutput]) -> None:
-        """After each engine step (engine thread)."""
+        """After each engine step."""
 
     def on_idle(self) -> None:
-        """Between command batches and steps, also when idle (engine thread)."""
+        """Between command batches and steps, also when idle."""
 
     def forget(self, request_id: str) -> None:
-        """Drop the service's own state of a request that is ending (engine thread)."""
+        """Drop the service's own state of a request that is ending."""
 
     def holds(self, request_id: str) -> bool:
-        """The service holds this request outside the engine (engine thread)."""
+        """The service holds this request outside the engine."""
         return False
 
     def held_ids(self) -> list[str]:
-        """Requests the service holds outside the engine, queued ones included (engine thread)."""
+        """Requests the service holds outside the engine, queued ones included."""
         return []
 
     @property
     def num_waiting(self) -> int:
-        """Requests the service queues outside the engine's scheduler (engine thread)."""
+        """Requests the service queues outside the engine's scheduler."""
         return 0
 
     def busy(self) -> bool:
-        """Work the node must finish before it exits, beyond the engine's requests and open
-        subscriptions: e.g. a KV send in flight (engine thread)."""
+        """Work the node must finish before it exits, beyond the engine's requests: e.g. a KV send
+        in flight, or a prefill whose call handler has not returned yet."""
         return False
-
-    def add_calls(self, channel: ChannelServer) -> None:
-        """Register the service's request-path calls on the node's request channel."""
 
     @property
     def transfer_bytes(self) -> int:
         return 0
 
 
-class NodeState:
-    """Engine, loop, identity and services of a running node, set up in the app's lifespan."""
+AddCalls = Callable[[ChannelServer, "NodeState"], None]
+"""Registers a role's request-channel calls (node process) on the channel."""
 
-    def __init__(self, engine_config: EngineConfig, node: NodeConfig) -> None:
+
+class NodeState:
+    """The node process of a running node: the request channel, admission, subscriptions, drain
+    and the client of its engine core process, set up in the app's lifespan.
+
+    ``make_services`` (a module-level function, sent to the core process) builds the roles'
+    engine-side services there; ``add_calls`` register the roles' calls on the channel here."""
+
+    def __init__(
+        self,
+        engine_config: EngineConfig,
+        node: NodeConfig,
+        make_services: Callable[[object], list[NodeService]],
+        add_calls: list[AddCalls],
+    ) -> None:
         self.engine_config = engine_config
         self.node = node
         self.role = node.role
-        self.services: list[NodeService] = []
-        self.engine: LLMEngine | None = None
-        self.loop: EngineLoop | None = None
+        self.make_services = make_services
+        self.add_calls = add_calls
+        self.core: CoreClient | None = None
         self.channel: ChannelServer | None = None
         self.info: NodeInfo | None = None
-        self.publisher: IndexPublisher | None = None
-        self.load: NodeLoad | None = None  # taken on the engine thread between steps
+        self.load: NodeLoad | None = None  # the core's newest report
         self.metrics = NodeMetrics()
-        self.draining = False  # event loop: no new work; set once, by the first signal
-        self.num_admitting = 0  # event loop: new requests between admission and the engine's answer
+        self.subs = Subscriptions()
+        self.transfers: dict[str, asyncio.Future] = {}
+        """Prefill request id -> the outcome of its last KV send (``TransferDone``)."""
+        self.started = False
+        self.draining = False  # no new work; set once, by the first signal
+        self.num_admitting = 0  # new requests between admission and the core's answer
         self._drain_now: asyncio.Event | None = None
         self._drain_task: asyncio.Task | None = None
-        self._deadlines: dict[str, float] = {}  # engine thread only: request id -> unix deadline
-        self._next_sweep = 0.0
-
-    @property
-    def transfer_bytes(self) -> int:
-        return sum(s.transfer_bytes for s in self.services)
-
-    @property
-    def kv_options(self) -> list[object]:
-        """Options for the node's KV transports (``kv_transfer.create_sender``/``create_receiver``):
-        a simulated engine's link; the transports' defaults otherwise."""
-        sim = self.engine.simulation if self.engine is not None else None
-        if sim is None:
-            return []
-        return [kv_transfer.SimOptions(sim.link.latency_s, sim.link.gbps, sim.kv_bytes_per_block)]
 
     async def start(self) -> None:
         node = self.node
-        publish = bool(node.redis_url)
-        engine = self.engine = await asyncio.to_thread(LLMEngine, self.engine_config, publish)
-        node = self.node = kv_transport_for(engine, node)
-        self.metrics.simulated.set(1 if engine.simulation is not None else 0)
-        self.loop = EngineLoop(
-            engine, asyncio.get_running_loop(), after_step=self._after_step, on_idle=self._on_idle
-        )
-        # Services set up their ends with the unresolved choice (auto, or a preference list): the
-        # transport actually used is agreed with each peer at handshake.
-        addresses = [s.start(node.kv_transport) for s in self.services]
-        transport = kv_transfer.resolve_transport(node.kv_transport)
         channel = self.channel = ChannelServer(
             node.host, node.channel_port, node.cluster_token, self._streams_lost
         )
-        channel.handle(AbortRequest, self._abort_call)
-        for service in self.services:
-            service.add_calls(channel)
-        self.loop.add_flush_hook(channel.flush)
-        info = node_info(engine, node, self.role, transport, next((a for a in addresses if a), ""))
-        self.info = msgspec.structs.replace(info, channel_port=channel.port)
+        node = self.node = dataclasses.replace(node, channel_port=channel.port)
+        core = self.core = CoreClient(self._on_outputs, self._core_died)
+        ready = await core.start(self.engine_config, node, self.make_services)
+        self.info = ready.info
+        self.load = ready.load
+        self.metrics.simulated.set(1 if ready.simulated else 0)
         channel.node_id = self.info.node_id
-        self.load = node_load(engine.load())
-        if publish:
-            url = f"http://{node.host}:{node.port}"
-            self.publisher = IndexPublisher(
-                node.redis_url,
-                self.info.model_id,
-                NodeRegistration(self.info.node_id, self.role, url),
-                ttl_s=node.heartbeat_ttl_s,
-            )
-            self.publisher.start()
-        for service in self.services:
-            service.ready()
-        self.loop.start()
+        channel.handle(AbortRequest, self._abort_call)
+        for add in self.add_calls:
+            add(channel, self)
         channel.start()
+        self.started = True
         where = f" at {self.info.kv_address}" if self.info.kv_address else ""
-        index = f"; prefix index at {redacted(node.redis_url)}" if publish else ""
-        logger.info("%s node %s ready: KV via %s%s%s", self.role, self.info.node_id, transport, where, index)
+        index = f"; prefix index at {redacted(node.redis_url)}" if node.redis_url else ""
+        logger.info(
+            "%s node %s ready: KV via %s%s%s; engine core in process %d",
+            self.role,
+            self.info.node_id,
+            self.info.kv_transport,
+            where,
+            index,
+            core.process.pid,
+        )
 
     async def close_channel(self) -> None:
         if self.channel is not None:
             await self.channel.close()
 
+    async def stop(self) -> None:
+        if self.core is not None:
+            await self.core.close(Shutdown())
+
+    def end_request(self, request_id: str, message: str) -> None:
+        """Abort a request in the core, not waiting for it (a peer that left, a handler cancelled)."""
+        self.core.send(EndRequest(request_id, "FINISHED_ABORTED", message))
+
+    def _on_outputs(self, msg: StepOutputs) -> None:
+        """A turn of the engine loop: its events go to their subscriptions (and out on the channel,
+        one message per peer), the sends that ended to their prefill calls."""
+        self.subs.deliver(msg)
+        for done in msg.transfers:
+            if not done.error:
+                self.metrics.transfer_seconds.observe(done.seconds)
+            waiter = self.transfers.pop(done.request_id, None)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(done)
+        if msg.load is not None:
+            self.load = msg.load
+        self.channel.flush()
+
+    def _core_died(self, why: str) -> None:
+        """The engine core is gone: the node exits at once. To the proxy that is a node that died
+        (its connection drops), so it migrates the node's streams and retries its calls elsewhere,
+        instead of failing them with errors or waiting for a node that cannot answer."""
+        self.core.remove_files()
+        logger.critical("the node's engine core is gone (%s); the node exits", why)
+        _exit_now(1)
+
     def _streams_lost(self, peer: Peer, request_ids: list[str]) -> None:
-        """A proxy worker went away (event loop): its streams' requests end, as their HTTP
-        connections closing did."""
-        gone = RequestStatus.FINISHED_ABORTED
+        """A proxy worker went away: its streams' requests end, as their HTTP connections closing did."""
         for rid in request_ids:
-            self.loop.submit(lambda e, rid=rid: self.end_request(rid, gone, "proxy gone"))
+            self.end_request(rid, "proxy gone")
 
     async def _abort_call(self, peer: Peer, msg: AbortRequest) -> None:
-        rid = msg.request_id
-        await self.loop.call(lambda e: self.end_request(rid, RequestStatus.FINISHED_ABORTED, "aborted"))
+        await self.core.call(EndRequest(msg.request_id, "FINISHED_ABORTED", "aborted"))
 
-    def stop(self) -> None:
-        for service in self.services:
-            service.stop()
-        if self.loop is not None:
-            self.loop.stop()
-        if self.publisher is not None:
-            self.publisher.stop()
-
-    # -- engine thread -------------------------------------------------------------------------
-
-    def _after_step(self, outputs: list[RequestOutput]) -> None:
-        for service in self.services:
-            service.after_step(outputs)
-        if self._deadlines:
-            for out in outputs:
-                if out.finished:
-                    self._deadlines.pop(out.request_id, None)
-        self._publish_block_events()
-
-    def _on_idle(self) -> None:
-        for service in self.services:
-            service.on_idle()
-        self._sweep_deadlines()
-        self._publish_block_events()
-        # A snapshot for /internal/load: answering a poll must not wait for a long step to end.
-        self.load = node_load(self.engine.load())
-
-    def _publish_block_events(self) -> None:
-        if self.publisher is not None:
-            self.publisher.publish(self.engine.take_block_events())
-
-    def end_request(self, request_id: str, status: RequestStatus, message: str) -> None:
-        """End a request wherever it is; its subscribers get an error output saying why."""
-        engine = self.engine
-        known = engine.has_request(request_id) or any(s.holds(request_id) for s in self.services)
-        self._deadlines.pop(request_id, None)
-        for service in self.services:
-            service.forget(request_id)
-        engine.abort_request([request_id], status)
-        if known:
-            logger.info("request %s ended: %s", request_id, message)
-            self.loop.publish(error_output(request_id, message))
-
-    # -- admission and deadlines ----------------------------------------------------------------
+    # -- admission -----------------------------------------------------------------------------
 
     @contextlib.asynccontextmanager
     async def admission(self, deadline: float = 0.0):
-        """Around taking new work (event loop): refuses it while draining, past its deadline, or
-        while ``max_waiting_requests`` other requests are being admitted (which bounds the engine
-        loop's inbox); the engine thread checks the queue itself (``check_room``)."""
+        """Around taking new work: refuses it while draining, past its deadline, or while
+        ``max_waiting_requests`` other requests are being admitted (which bounds the core's
+        inbox); the core checks its queue itself (``CoreState.check_room``)."""
         if self.draining:
             raise NodeRefused(503, "the node is shutting down", "unavailable", RETRY_AFTER_S)
         if deadline and deadline <= time.time():
@@ -408,50 +412,18 @@ class NodeState:
         finally:
             self.num_admitting -= 1
 
-    def num_waiting(self) -> int:
-        """Requests queued on the node: for the running batch, for their KV, for their stream."""
-        load = self.engine.load()
-        return load.num_waiting + load.num_waiting_for_kv + sum(x.num_waiting for x in self.services)
-
-    def check_room(self) -> None:
-        """Before queueing a request (engine thread): raises ``NodeRefused`` (429) when the node
-        already queues ``max_waiting_requests``."""
-        bound = self.node.max_waiting_requests
-        if self.num_waiting() >= bound:
-            raise NodeRefused(429, f"the node already queues {bound} requests", "overloaded", RETRY_AFTER_S)
-
-    def track_deadline(self, request_id: str, deadline: float) -> None:
-        """Drop the request once ``deadline`` (unix time; 0: none) passes (engine thread)."""
-        if deadline:
-            self._deadlines[request_id] = deadline
-
-    def _sweep_deadlines(self) -> None:
-        now = time.time()
-        if not self._deadlines or now < self._next_sweep:
-            return
-        self._next_sweep = now + DEADLINE_SWEEP_S
-        for request_id in [r for r, d in self._deadlines.items() if d <= now]:
-            self.end_request(request_id, RequestStatus.FINISHED_ABORTED, "the request's deadline passed")
-
     # -- draining ------------------------------------------------------------------------------
 
-    def _is_idle(self) -> bool:
-        """Nothing left that must finish before the node exits (engine thread; the subscriptions
-        are the event loop's, read as one snapshot)."""
-        if self.engine.request_ids() or self.loop.num_unfinished:
+    async def _is_idle(self) -> bool:
+        """Nothing left that must finish before the node exits: no open subscription here, nothing
+        in the core."""
+        if self.subs.num_unfinished:
             return False
-        return not any(x.busy() or x.held_ids() for x in self.services)
-
-    def _end_all(self, message: str) -> int:
-        """End every request the node holds with an error output (engine thread)."""
-        ids = self.engine.request_ids() + [r for x in self.services for r in x.held_ids()]
-        for request_id in dict.fromkeys(ids):
-            self.end_request(request_id, RequestStatus.FINISHED_ABORTED, message)
-        return len(ids)
+        return (await self.core.call(IsIdle())).value
 
     def on_signal(self, signum: int, hand_on: Callable[[], None]) -> None:
-        """SIGTERM/SIGINT (event loop): the first starts a drain that calls ``hand_on`` (the
-        server's own handler) at its end; a second ends the drain's requests at once."""
+        """SIGTERM/SIGINT: the first starts a drain that calls ``hand_on`` (the server's own
+        handler) at its end; a second ends the drain's requests at once."""
         if self._drain_task is None:
             self._drain_task = asyncio.ensure_future(self._drain_then(hand_on))
         elif self._drain_now is not None:
@@ -471,24 +443,31 @@ class NodeState:
         what is left with an error output, and give handlers a moment to send it."""
         self.draining = True
         self._drain_now = asyncio.Event()
-        if self.loop is None:
+        if not self.started or self.core.gone:
             return
         timeout = self.node.shutdown_timeout_s
         logger.info("draining: no new work; waiting up to %.0f s for the requests in flight", timeout)
         give_up = time.monotonic() + timeout
-        while not await self.loop.call(lambda e: self._is_idle()):
+        while not await self._is_idle():
             left = give_up - time.monotonic()
             if left <= 0 or self._drain_now.is_set():
-                n = await self.loop.call(lambda e: self._end_all("the node is shutting down"))
-                self.loop.fail_subscribers("the node is shutting down")
+                message = "the node is shutting down"
+                n = (await self.core.call(EndAll(message))).value
+                self.subs.fail_all(message)
+                self.channel.flush()
                 logger.warning("drain: ended %d request(s) still in flight", n)
                 flush_until = time.monotonic() + FLUSH_TIMEOUT_S
-                while time.monotonic() < flush_until and not await self.loop.call(lambda e: self._is_idle()):
+                while time.monotonic() < flush_until and not await self._is_idle():
                     await asyncio.sleep(0.05)
                 break
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._drain_now.wait(), min(0.05, left))
         logger.info("drained")
+
+
+def _exit_now(code: int) -> None:
+    logging.shutdown()
+    os._exit(code)
 
 
 def install_drain_handlers(state: NodeState) -> None:
@@ -524,7 +503,7 @@ def node_app(state: NodeState) -> FastAPI:
             yield
         finally:
             await state.close_channel()
-            state.stop()
+            await state.stop()
 
     app = FastAPI(title=f"pdserve {state.role} node", lifespan=lifespan)
     app.state.node = state
@@ -537,23 +516,25 @@ def add_common_routes(app: FastAPI, state: NodeState) -> None:
     async def _http_error(request: Request, exc: HTTPException):
         return error_response(exc.status_code, str(exc.detail))
 
-    @app.exception_handler(NodeRefused)
-    async def _refused(request: Request, exc: NodeRefused):
-        return exc.response()
+    @app.exception_handler(CallRefused)
+    async def _refused(request: Request, exc: CallRefused):
+        return NodeRefused(exc.status, exc.message, exc.kind, exc.retry_after).response()
 
     @app.get("/health")
     async def health():
-        if state.loop is None:
+        if not state.started:
             return error_response(503, "starting", "unavailable")
+        if state.core.gone:
+            return error_response(503, f"engine core gone: {state.core.gone}", "unavailable")
         if state.draining:
             return error_response(503, "draining", "unavailable")
         return PlainTextResponse("ok")
 
     @app.get("/metrics")
     async def metrics():
-        # Asked of the engine thread between steps, like any other call into the engine.
-        load = await state.loop.call(lambda e: e.load()) if state.loop is not None else None
-        return PlainTextResponse(state.metrics.render(load, state.transfer_bytes), media_type=CONTENT_TYPE)
+        # Asked of the engine core between steps, like any other call into the engine.
+        stats = await state.core.call(GetStats()) if state.started else None
+        return PlainTextResponse(state.metrics.render(stats), media_type=CONTENT_TYPE)
 
     @app.get("/internal/info")
     async def info(request: Request):
@@ -571,6 +552,5 @@ def add_common_routes(app: FastAPI, state: NodeState) -> None:
     async def abort(request: Request):
         check_token(request, state.node.cluster_token)
         msg: AbortRequest = await read_message(request, AbortRequest)
-        rid = msg.request_id
-        await state.loop.call(lambda e: state.end_request(rid, RequestStatus.FINISHED_ABORTED, "aborted"))
+        await state.core.call(EndRequest(msg.request_id, "FINISHED_ABORTED", "aborted"))
         return msgpack_response(msg)

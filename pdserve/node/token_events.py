@@ -1,7 +1,8 @@
 """A request's cumulative engine outputs as the ``TokenEvent`` deltas a node streams.
 
-The engine hands out cumulative outputs (all tokens and text so far) and a node keeps only the
-newest unread one (``OutputSlot``), so each event carries what changed since the last one sent.
+The engine hands out cumulative outputs (all tokens and text so far); the engine core turns each
+into what changed since the last one it sent to the node process (``CoreState._emit``), so only
+deltas cross the process boundary.
 A parallel-sampling request's output holds every sequence (``CompletionOutput.index``): each
 sequence that moved gets an event of its own. Text that could still turn out to be part of a stop
 string is held back (``hold`` characters) until the sequence ends.

@@ -1,0 +1,147 @@
+"""The engine core in a process of its own (as vLLM V1's EngineCore), on real processes.
+
+A node spawns its engine core; requests cross to it as typed messages and their tokens come back
+once per step; the core's counters reach the node's /metrics. Neither process outlives the other:
+a node whose core dies exits at once (a dead node, to the proxy, which migrates its streams), and
+a core whose node dies goes with it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from pdserve.cluster import free_port
+from pdserve.messages import ReserveRequest, StreamRequest
+from pdserve.sampling_params import SamplingParams
+from tests import node_link
+
+
+class _Node:
+    def __init__(self, log: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        cmd = [sys.executable, "-m", "pdserve", "node", "--role", "both", "--port", str(self.port)]
+        cmd += ["--model", "random:tiny", "--num-threads", "1", "--max-model-len", "4096"]
+        with open(log, "w") as f:
+            self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_healthy(self, timeout: float = 180.0) -> None:
+        give_up = time.monotonic() + timeout
+        while time.monotonic() < give_up:
+            assert self.proc.poll() is None, f"node exited:\n{self.log.read_text()[-3000:]}"
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise AssertionError(f"node never became healthy:\n{self.log.read_text()[-3000:]}")
+
+    @property
+    def core_pid(self) -> int:
+        found = re.search(r"engine core process (\d+) started", self.log.read_text())
+        assert found, self.log.read_text()[-3000:]
+        return int(found.group(1))
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead too
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+@pytest.fixture(scope="module")
+def nodes(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("engine-core")
+    pair = [_Node(folder / "a.log"), _Node(folder / "b.log")]
+    try:
+        for node in pair:
+            node.wait_healthy()
+        yield pair
+    finally:
+        for node in pair:
+            node.stop()
+
+
+def _reserve(link: node_link.NodeLink, rid: str, max_tokens: int) -> None:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    reply = link.call(ReserveRequest(rid, list(range(10, 40)), params, lease_s=30.0, local_prefill=True))
+    assert reply.status == 200, reply
+
+
+def _metric(url: str, name: str) -> float:
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} missing from /metrics")
+
+
+def test_the_engine_runs_in_a_child_process_and_serves_through_it(nodes):
+    node = nodes[0]
+    core = node.core_pid
+    assert core != node.proc.pid and _parent(core) == node.proc.pid and _alive(core)
+    before = _metric(node.url, "pdserve_prompt_tokens_computed_total")
+    with node_link.NodeLink(node.url) as link:
+        _reserve(link, "r1", 8)
+        events = link.stream("r1")
+    assert sum(len(e.token_ids) for e in events) == 8 and events[-1].finish_reason == "length"
+    assert all(e.num_prompt_tokens == 30 for e in events)
+    # Counters that live in the core reach the node's /metrics.
+    assert _metric(node.url, "pdserve_prompt_tokens_computed_total") >= before + 30
+    assert _metric(node.url, "pdserve_kv_blocks_free") == _metric(node.url, "pdserve_kv_blocks_total")
+
+
+def test_a_node_whose_core_dies_exits_and_its_streams_see_it_go(nodes):
+    """To the proxy a node whose core died is a node that died: its connection drops (so the proxy
+    migrates the streams), it does not sit there without an engine."""
+    node = nodes[0]
+    with node_link.NodeLink(node.url) as link:
+        _reserve(link, "long", 4000)
+        call = link.start(StreamRequest("long"))
+        assert link.reply(call).status == 200
+        give_up = time.monotonic() + 30
+        while not any(e.request_id == "long" and e.token_ids for e in link._events):
+            assert time.monotonic() < give_up, "no token came"
+            link._recv(1.0)
+        os.kill(node.core_pid, signal.SIGKILL)
+        assert node.proc.wait(10) != 0
+        with pytest.raises(TimeoutError):  # no final event: the stream was cut, not finished
+            link.read("long", timeout=1)
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"{node.url}/health", timeout=2)
+
+
+def test_a_core_whose_node_dies_goes_with_it(nodes):
+    node = nodes[1]
+    core = node.core_pid
+    assert _alive(core)
+    os.kill(node.proc.pid, signal.SIGKILL)  # the node alone, not its process group
+    node.proc.wait(10)
+    give_up = time.monotonic() + 10
+    while _alive(core):
+        assert time.monotonic() < give_up, "the engine core outlived its node"
+        time.sleep(0.1)
