@@ -39,7 +39,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from pdserve.benchmarks.proxy_alone import VOCAB, _free_port, _StandIn, _wait_healthy
+from pdserve.benchmarks.proxy_alone import VOCAB, _free_port, _StandIn, _wait_healthy, serving_stack
 
 
 class _ImmediateStandIn(_StandIn):
@@ -279,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
             "cpus": os.cpu_count(),
             "platform": platform.platform(),
             "python": platform.python_version(),
+            "packages": serving_stack(),
         },
         "anchor": "the nodes' own protocol driven directly, alternating with the proxy's requests",
         "nodes": nodes,
