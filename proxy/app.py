@@ -26,7 +26,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
@@ -105,28 +105,42 @@ async def until_disconnected(work: Awaitable[T], receive: Receive) -> T:
     return task.result()
 
 
+RAW_SEND = "pdserve.raw_send"
+"""Scope key under which the outermost middleware (``server.InFlight``) leaves the server's own
+``send``. Each middleware between it and a route wraps ``send`` in a coroutine of its own, and all
+of them look only at a response's start and its last body message: a stream sends those through
+the wrapped ``send`` and the token chunks in between straight to the server's."""
+
+Write = Callable[[bytes], Awaitable[None]]
+
+
 class EventStream(Response):
-    """A ``text/event-stream`` response that stops, and closes its body, when the client leaves."""
+    """A ``text/event-stream`` response: ``produce(write)`` writes each SSE chunk; it is cancelled
+    (and its cleanup runs) when the client leaves."""
 
     media_type = "text/event-stream"
 
     def __init__(
         self,
-        body: AsyncIterator[bytes],
+        produce: Callable[[Write], Awaitable[None]],
         headers: dict[str, str] | None = None,
         on_close: Callable[[], None] | None = None,
     ) -> None:
-        self.body_iterator = body
+        self.produce = produce
         self.on_close = on_close
         self.status_code = 200
         self.background = None
         self.init_headers({"cache-control": "no-cache", **(headers or {})})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        raw_send = scope.get(RAW_SEND, send)
+
+        async def write(chunk: bytes) -> None:
+            await raw_send({"type": "http.response.body", "body": chunk, "more_body": True})
+
         async def pump() -> None:
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-            async for chunk in self.body_iterator:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await self.produce(write)
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
         try:
@@ -134,9 +148,8 @@ class EventStream(Response):
         except (ClientGone, OSError):
             pass
         finally:
-            await self.body_iterator.aclose()  # runs the body's cleanup if it did not finish
             if self.on_close is not None:
-                self.on_close()  # for a body that never started, where aclose runs nothing
+                self.on_close()  # for a body that never started, whose own cleanup did not run
 
 
 # -- metrics ---------------------------------------------------------------------------------
@@ -559,7 +572,10 @@ class Proxy:
                     gen.cancel()
                     timing.done(CLIENT_GONE, builder)  # no-op unless the body never ran
 
-                return EventStream(self._stream(gen, builder, timing, first_event), headers, on_close)
+                async def body(write: Write) -> None:
+                    await self._stream(gen, builder, timing, first_event, write)
+
+                return EventStream(body, headers, on_close)
             await until_disconnected(self._collect(gen, builder, timing), request.receive)
         except ClientGone:
             gen.cancel()
@@ -591,32 +607,42 @@ class Proxy:
             builder.add(event)
 
     async def _stream(
-        self, gen: Generation, builder, timing: _Timing, first: TokenEvent | None
-    ) -> AsyncIterator[bytes]:
+        self, gen: Generation, builder, timing: _Timing, first: TokenEvent | None, write: Write
+    ) -> None:
+        """The per-token path of a streaming request: one chunk built and one write per event."""
         status = CLIENT_GONE
         try:
             for chunk in builder.start():
-                yield chunk
+                await write(chunk)
             event = first
-            try:
-                while event is not None:
+            failure: Exception | None = None  # of the request (not of a write: the client left)
+            while event is not None:
+                try:
                     timing.event(event)
                     chunk = builder.add(event)
-                    if chunk is not None:
-                        yield chunk
+                except Exception as exc:
+                    failure = exc
+                    break
+                if chunk is not None:
+                    await write(chunk)
+                try:
                     event = await gen.next()
-            except Exception as exc:
+                except Exception as exc:
+                    failure = exc
+                    break
+            if failure is not None:
+                exc = failure
                 if not isinstance(exc, ProxyError):
-                    logger.exception("streaming request %s failed", gen.request_id)
+                    logger.error("streaming request %s failed", gen.request_id, exc_info=exc)
                     exc = ProxyError(500, f"internal error: {type(exc).__name__}: {exc}")
                 status = exc.status
                 gen.cancel()
-                yield sse(exc.body())
-                yield SSE_DONE
+                await write(sse(exc.body()))
+                await write(SSE_DONE)
                 return
             self._fill_cached(gen, builder)
             for chunk in builder.finish():
-                yield chunk
+                await write(chunk)
             status = 200
         finally:
             if status == CLIENT_GONE:

@@ -24,7 +24,7 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 import msgspec
@@ -84,7 +84,20 @@ class NodeError(Exception):
         return self.status == 0
 
 
-_StreamItem = TokenEvent | NodeError
+StreamSink = Callable[[TokenEvent | NodeError], None]
+"""Takes a stream's events as they arrive, then a ``NodeError`` if the channel fails under it."""
+
+
+class _Stream:
+    """One open token stream: whom to hand its events, and which of its sequences have ended."""
+
+    __slots__ = ("sink", "num_sequences", "ended", "finished")
+
+    def __init__(self, sink: StreamSink, num_sequences: int) -> None:
+        self.sink = sink
+        self.num_sequences = num_sequences
+        self.ended: set[int] = set()
+        self.finished = False
 
 
 class NodeChannel:
@@ -108,7 +121,7 @@ class NodeChannel:
         self._ctx = zmq.asyncio.Context.instance()
         self._sock: zmq.asyncio.Socket | None = None
         self._calls: dict[int, asyncio.Future] = {}
-        self._streams: dict[str, asyncio.Queue[_StreamItem]] = {}
+        self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count(1)
         self._open = asyncio.Event()  # welcomed on the current connection
         self._changed = asyncio.Event()  # set on every connection event
@@ -198,10 +211,11 @@ class NodeChannel:
     async def _read(self) -> None:
         sock = self._sock
         while True:
-            frames = await sock.recv_multipart(copy=False)
-            self._receive(frames[-1].buffer)
+            # Copied frames: messages are small, and a bytes object costs less than a zmq.Frame.
+            frames = await sock.recv_multipart()
+            self._receive(frames[-1])
 
-    def _receive(self, data: memoryview) -> None:
+    def _receive(self, data: bytes) -> None:
         try:
             msg = decode(data, ToProxy)
         except msgspec.DecodeError as exc:
@@ -209,11 +223,18 @@ class NodeChannel:
             return
         self._last_heard = time.monotonic()
         if isinstance(msg, Events):
+            # The per-token path: each event goes straight to its stream's sink, on this task.
             streams = self._streams
             for event in msg.events:
-                queue = streams.get(event.request_id)
-                if queue is not None:
-                    queue.put_nowait(event)
+                stream = streams.get(event.request_id)
+                if stream is None:
+                    continue
+                if event.finish_reason is not None:
+                    stream.ended.add(event.index)
+                    if len(stream.ended) >= stream.num_sequences:
+                        stream.finished = True
+                        del streams[event.request_id]
+                stream.sink(event)
         elif isinstance(msg, Reply):
             if msg.status == 428:  # the node forgot us (we were silent too long to it): Hello again
                 self._welcome_again()
@@ -261,8 +282,8 @@ class NodeChannel:
         for fut in calls.values():
             if not fut.done():
                 fut.set_exception(NodeError(self.url, why))
-        for queue in self._streams.values():
-            queue.put_nowait(NodeError(self.url, why))
+        for stream in list(self._streams.values()):
+            stream.sink(NodeError(self.url, why))
 
     # -- sending -------------------------------------------------------------------------------
 
@@ -342,39 +363,28 @@ class NodeChannel:
 
     @asynccontextmanager
     async def stream(
-        self, request: StreamRequest, timeout: float = CONTROL_TIMEOUT_S, num_sequences: int = 1
-    ) -> AsyncIterator[AsyncIterator[TokenEvent]]:
+        self,
+        request: StreamRequest,
+        sink: StreamSink,
+        timeout: float = CONTROL_TIMEOUT_S,
+        num_sequences: int = 1,
+    ) -> AsyncIterator[None]:
         """Open the request's token stream; entering returns once the node said yes (``timeout``
-        bounds that wait only). The events end with the final one of each of the request's
-        ``num_sequences`` sequences (parallel sampling); leaving before that aborts the request."""
+        bounds that wait only). Until the final event of each of the request's ``num_sequences``
+        sequences (parallel sampling), ``sink`` gets every event as it arrives, called from the
+        channel's reader (it must not block: this is the per-token path, with no task switch), and
+        a ``NodeError`` if the channel fails; leaving before the final events aborts the request."""
         rid = request.request_id
-        queue: asyncio.Queue[_StreamItem] = asyncio.Queue()
         if rid in self._streams:
             raise NodeError(self.url, f"a stream of {rid!r} is already open", 409)
-        self._streams[rid] = queue  # before the call: events may come before its reply
-        finished = False
+        stream = self._streams[rid] = _Stream(sink, num_sequences)  # events may precede the reply
         try:
             await self.call(request, timeout)
-
-            async def events() -> AsyncIterator[TokenEvent]:
-                nonlocal finished
-                ended: set[int] = set()
-                while True:
-                    item = await queue.get()
-                    if isinstance(item, NodeError):
-                        raise item
-                    if item.finish_reason is not None:
-                        ended.add(item.index)
-                        finished = len(ended) >= num_sequences
-                    yield item
-                    if finished:
-                        return
-
-            yield events()
+            yield
         finally:
-            if self._streams.get(rid) is queue:
+            if self._streams.get(rid) is stream:
                 del self._streams[rid]
-            if not finished:
+            if not stream.finished:
                 self.abort_soon(rid)
 
 

@@ -30,6 +30,7 @@ generator; stop strings that straddle the cut are not seen.)
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import logging
@@ -190,8 +191,10 @@ def _node_failure(node: NodeState, exc: NodeError, what: str) -> ProxyError:
 class Generation:
     """A request in flight: read events with ``next()``; ``cancel()`` aborts it everywhere.
 
-    The protocol runs in its own task and hands events over a queue, so the deadline and the
-    cleanup do not depend on how (or whether) the caller keeps reading.
+    The protocol runs in its own task, so the deadline and the cleanup do not depend on how (or
+    whether) the caller keeps reading. Token events do not pass through that task: the channel's
+    reader hands each one to ``_on_event``, which checks it and queues it for the caller, so a
+    token costs one task switch in the proxy (the caller's).
     """
 
     def __init__(
@@ -217,12 +220,33 @@ class Generation:
         self._prefill_pending = False  # a prefill call was sent and not answered
         self._prefill_task: asyncio.Future | None = None  # this attempt's prefill call
         self._prefill_settled = False  # the prefill call was handed to ``_generate``, which settles it
-        self._queue: asyncio.Queue[TokenEvent | ProxyError | None] = asyncio.Queue()
+        # What the caller reads: events, then None or a ProxyError (one reader, no bound: the
+        # node's pace bounds it).
+        self._items: collections.deque[TokenEvent | ProxyError | None] = collections.deque()
+        self._waiter: asyncio.Future | None = None
+        # This attempt's token stream: ends with the final events, or with what failed it.
+        self._stream_end: asyncio.Future | None = None
+        self._num_open = 0  # sequences of this attempt still streaming
+        self._held: list[TokenEvent] | None = None  # events waiting for the prefill's prompt logprobs
+        self._first = True  # the next event is the attempt's first
         self._task = asyncio.ensure_future(self._run())
+
+    def _put(self, item: TokenEvent | ProxyError | None) -> None:
+        self._items.append(item)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     async def next(self) -> TokenEvent | None:
         """The next event; None after the final one; raises ProxyError if the request failed."""
-        item = await self._queue.get()
+        items = self._items
+        while not items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        item = items.popleft()
         if isinstance(item, ProxyError):
             raise item
         return item
@@ -238,16 +262,16 @@ class Generation:
         timeout = max(0.0, self.deadline - time.monotonic())
         try:
             await asyncio.wait_for(self._protocol(), timeout)
-            self._queue.put_nowait(None)
+            self._put(None)
         except asyncio.TimeoutError:
-            self._queue.put_nowait(ProxyError(504, f"the request did not finish within {timeout:.0f} s"))
+            self._put(ProxyError(504, f"the request did not finish within {timeout:.0f} s"))
         except ProxyError as exc:
-            self._queue.put_nowait(exc)
+            self._put(exc)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a bug: tell the client, keep the server up
             logger.exception("request %s failed", self.request_id)
-            self._queue.put_nowait(ProxyError(500, f"internal error: {type(exc).__name__}: {exc}"))
+            self._put(ProxyError(500, f"internal error: {type(exc).__name__}: {exc}"))
 
     async def _protocol(self) -> None:
         while True:
@@ -263,7 +287,7 @@ class Generation:
                 if limit is not None and len(self.emitted) >= limit:  # died after the last token
                     self.finished = True
                     n = len(self.prompt_token_ids)
-                    self._queue.put_nowait(
+                    self._put(
                         TokenEvent(self.request_id, [], "", finish_reason="length", num_prompt_tokens=n)
                     )
                     return
@@ -322,19 +346,29 @@ class Generation:
         rid = self.node_request_id
         prefill = None if landing.local_prefill else asyncio.ensure_future(self._prefill(route, landing))
         self._prefill_task = prefill
+        end = self._stream_end = asyncio.get_running_loop().create_future()
+        self._num_open = self.params.num_sequences  # each sequence ends with an event of its own
+        self._held = None
+        self._first = True
         try:
             try:
-                stream = decode.client.stream(StreamRequest(rid), num_sequences=self.params.num_sequences)
-                async with stream as events:
+                stream = decode.client.stream(
+                    StreamRequest(rid), self._on_event, num_sequences=self.params.num_sequences
+                )
+                async with stream:
                     if prefill is None:
-                        await self._relay(events)
+                        await end
                     else:
-                        await self._generate(prefill, events)
+                        await self._generate(prefill, end)
             except NodeError as exc:
                 if exc.unreachable:
                     raise NodeDied(decode, f"token stream lost: {exc.message}") from None
                 raise _node_failure(decode, exc, "token stream failed") from None
         finally:
+            if not end.done():
+                end.cancel()
+            elif not end.cancelled():
+                end.exception()  # retrieved: a failure that lost the race to another is no news
             decode.num_inflight -= 1
             if prefill is not None and not self._prefill_settled:  # the stream never opened
                 prefill.cancel()
@@ -347,66 +381,104 @@ class Generation:
         if self._prefill_pending and not self.finished and self.prefill_node is not None:
             self.d.abort(self.prefill_node, self.node_request_id)
 
-    async def _generate(self, prefill: asyncio.Future, events) -> None:
-        """Relay the stream while the prefill runs; every way out settles the prefill call."""
+    async def _generate(self, prefill: asyncio.Future, end: asyncio.Future) -> None:
+        """Wait for the stream's end while the prefill runs; every way out settles the prefill call."""
         self._prefill_settled = True
-        relay = asyncio.ensure_future(self._relay(events))
         try:
-            done, _ = await asyncio.wait({prefill, relay}, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait({prefill, end}, return_when=asyncio.FIRST_COMPLETED)
             if prefill in done and prefill.exception() is not None:
                 if isinstance(prefill.exception(), ProxyError):
                     # A transfer fails when its decode node dies: if the stream breaks too, the
                     # decode node is the one to blame (and the request can move).
                     with contextlib.suppress(asyncio.TimeoutError, ProxyError):
-                        await asyncio.wait_for(asyncio.shield(relay), 1.0)
+                        await asyncio.wait_for(asyncio.shield(end), 1.0)
                 prefill.result()  # raises the prefill's failure
-            await relay
+            await end
         finally:
-            relay.cancel()  # no-op when done
-            waits = [relay]
             if not prefill.done() and self.finished:
                 # The decode node has everything; let the prefill reply arrive on its own.
                 self.d.spawn(prefill)
             else:
                 prefill.cancel()
-                waits.append(prefill)
-            await asyncio.gather(*waits, return_exceptions=True)  # also retrieves their exceptions
+                await asyncio.gather(prefill, return_exceptions=True)  # also retrieves its exception
             self._abort_pending_prefill()
 
-    async def _relay(self, events) -> None:
+    # -- the per-token path: called by the channel's reader for each event of the stream ----------
+
+    def _on_event(self, item: TokenEvent | NodeError) -> None:
+        end = self._stream_end
+        if end is None or end.done():
+            return  # the attempt is over (failed or left): what still arrives is nobody's
+        try:
+            if isinstance(item, NodeError):
+                end.set_exception(item)
+            elif self._held is not None:
+                self._held.append(item)
+            else:
+                self._relay(item)
+        except Exception as exc:  # a bug or a bad event: fail this request, not the channel's reader
+            if not end.done():
+                end.set_exception(exc)
+
+    def _relay(self, event: TokenEvent) -> None:
         decode = self.decode_node
-        num_open = self.params.num_sequences  # each sequence ends with an event of its own
-        first = True
-        async for event in events:
-            if event.error or event.finish_reason in ("abort", "error"):
-                reason = event.error or f"finish_reason {event.finish_reason}"
-                raise ProxyError(502, f"decode node {decode.url} failed the request: {reason}")
-            if event.request_id != self.node_request_id:
-                raise ProxyError(502, f"decode node {decode.url} sent an event of {event.request_id!r}")
-            if self.migrations:
-                # The client asked about its own prompt: the tokens prepended on resumption
-                # are neither prompt tokens nor cached ones to it.
-                n = len(self.prompt_token_ids)
-                event = msgspec.structs.replace(
-                    event,
-                    request_id=self.request_id,
-                    num_prompt_tokens=n,
-                    num_cached_tokens=min(event.num_cached_tokens, n),
-                )
-            if first and self.params.prompt_logprobs is not None and self._prefill_task is not None:
-                # The prefill node computed the prompt, and its logprobs come with its result.
-                result = await asyncio.shield(self._prefill_task)
-                event = msgspec.structs.replace(event, prompt_logprobs=result.prompt_logprobs)
-            first = False
-            self.emitted.extend(event.token_ids)
-            self._queue.put_nowait(event)
-            if event.finish_reason is not None:
-                num_open -= 1
-            if not num_open:
+        if event.error or event.finish_reason in ("abort", "error"):
+            reason = event.error or f"finish_reason {event.finish_reason}"
+            raise ProxyError(502, f"decode node {decode.url} failed the request: {reason}")
+        if event.request_id != self.node_request_id:
+            raise ProxyError(502, f"decode node {decode.url} sent an event of {event.request_id!r}")
+        if self.migrations:
+            # The client asked about its own prompt: the tokens prepended on resumption
+            # are neither prompt tokens nor cached ones to it.
+            n = len(self.prompt_token_ids)
+            event = msgspec.structs.replace(
+                event,
+                request_id=self.request_id,
+                num_prompt_tokens=n,
+                num_cached_tokens=min(event.num_cached_tokens, n),
+            )
+        if self._first:
+            self._first = False
+            prefill = self._prefill_task
+            if self.params.prompt_logprobs is not None and prefill is not None:
+                # The prefill node computed the prompt, and its logprobs come with its result:
+                # hold the stream until it is there.
+                if not prefill.done():
+                    self._held = [event]
+                    prefill.add_done_callback(self._release_held)
+                    return
+                if prefill.cancelled() or prefill.exception() is not None:
+                    return  # the prefill's failure ends the request (``_generate``)
+                event = msgspec.structs.replace(event, prompt_logprobs=prefill.result().prompt_logprobs)
+        self._deliver(event)
+
+    def _deliver(self, event: TokenEvent) -> None:
+        self.emitted.extend(event.token_ids)
+        self._put(event)
+        if event.finish_reason is not None:
+            self._num_open -= 1
+            if not self._num_open:
                 self.finished = True
-                self._queue.put_nowait(None)  # the caller need not wait for the cleanup below
-                return
-        raise NodeDied(decode, "the token stream ended before the request finished")
+                self._put(None)  # the caller need not wait for the cleanup
+                self._stream_end.set_result(None)
+
+    def _release_held(self, prefill: asyncio.Future) -> None:
+        held, self._held = self._held or [], None
+        end = self._stream_end
+        if prefill is not self._prefill_task or end is None or end.done():
+            return
+        if prefill.cancelled() or prefill.exception() is not None:
+            return  # the prefill's failure ends the request (``_generate``)
+        first, *rest = held  # the first was checked already
+        try:
+            self._deliver(msgspec.structs.replace(first, prompt_logprobs=prefill.result().prompt_logprobs))
+            for event in rest:
+                if end.done():
+                    return
+                self._relay(event)
+        except Exception as exc:
+            if not end.done():
+                end.set_exception(exc)
 
     async def _reserve(self, route: RouteRequest) -> tuple[NodeState, LandingDescriptor]:
         router = self.d.router

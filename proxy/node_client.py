@@ -31,7 +31,7 @@ from pdserve.messages import (
     decode,
     encode,
 )
-from pdserve.proxy.channel import CONTROL_TIMEOUT_S, NodeChannel, NodeError
+from pdserve.proxy.channel import CONTROL_TIMEOUT_S, NodeChannel, NodeError, StreamSink
 
 logger = logging.getLogger(__name__)
 
@@ -172,6 +172,12 @@ class NodeClient:
         """Runs until the KV is committed to the decode node (or failed)."""
         return await self._channel().prefill(request, timeout)
 
-    def stream(self, request: StreamRequest, timeout: float = CONTROL_TIMEOUT_S, num_sequences: int = 1):
-        """The request's token stream (``NodeChannel.stream``)."""
-        return self._channel().stream(request, timeout, num_sequences)
+    def stream(
+        self,
+        request: StreamRequest,
+        sink: StreamSink,
+        timeout: float = CONTROL_TIMEOUT_S,
+        num_sequences: int = 1,
+    ):
+        """The request's token stream, handed to ``sink`` (``NodeChannel.stream``)."""
+        return self._channel().stream(request, sink, timeout, num_sequences)

@@ -95,10 +95,9 @@ def listen(config: ProxyConfig) -> socket.socket:
 
 
 def _worker(config: ProxyConfig, index: int, folder: str, log_level: str, ready) -> None:
-    import asyncio
 
     from pdserve.proxy.router import ClusterError
-    from pdserve.proxy.server import serve_async
+    from pdserve.proxy.server import run_loop, serve_async
 
     # Signals come from the supervisor alone: a process group of its own keeps a Ctrl-C or a
     # launcher's killpg from reaching the worker besides the supervisor's forward (which would make
@@ -110,7 +109,7 @@ def _worker(config: ProxyConfig, index: int, folder: str, log_level: str, ready)
     shared = SharedMetrics(Path(folder), index)
     sock = listen(config)
     try:
-        asyncio.run(serve_async(config, log_level, sockets=[sock], shared=shared, ready=ready.set))
+        run_loop(serve_async(config, log_level, sockets=[sock], shared=shared, ready=ready.set))
     except ClusterError as e:
         raise SystemExit(f"pdserve proxy: {e}") from None
 

@@ -293,6 +293,19 @@ def _cpu_seconds(pids: list[int]) -> float:
     return total
 
 
+def serving_stack() -> dict[str, str | None]:
+    """Versions of what the proxy's per-token cost depends on (None: not installed, so not used)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out: dict[str, str | None] = {}
+    for name in ("uvicorn", "uvloop", "httptools", "fastapi", "pyzmq", "msgspec"):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = None
+    return out
+
+
 def _get(url: str, timeout: float = 10) -> str:
     with urllib.request.urlopen(url, timeout=timeout) as r:
         return r.read().decode()
@@ -454,6 +467,7 @@ def main(argv: list[str] | None = None) -> int:
             "cpus": os.cpu_count(),
             "platform": platform.platform(),
             "python": platform.python_version(),
+            "packages": serving_stack(),
         },
         "anchor": "the same proxy with one worker, at the same concurrency, in this run",
         "settings": vars(args),
