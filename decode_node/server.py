@@ -42,14 +42,8 @@ from pdserve.messages import (
 from pdserve.node.channel import ChannelServer, Peer
 from pdserve.node.core_client import CoreRefused
 from pdserve.node.engine_loop import error_output
-from pdserve.node.framework import (
-    RETRY_AFTER_S,
-    NodeRefused,
-    NodeService,
-    NodeState,
-    node_app,
-    node_info,
-)
+from pdserve.node.framework import NodeState, node_app
+from pdserve.node.service import RETRY_AFTER_S, NodeRefused, NodeService, node_info
 from pdserve.node.token_events import TokenEvents
 from pdserve.prefill_node.server import PrefillService, add_prefill_calls
 

@@ -64,12 +64,8 @@ from pdserve.messages import (
 )
 from pdserve.node.channel import ChannelServer, Peer
 from pdserve.node.core_client import CoreRefused
-from pdserve.node.framework import (
-    NodeRefused,
-    NodeService,
-    NodeState,
-    node_app,
-)
+from pdserve.node.framework import NodeState, node_app
+from pdserve.node.service import NodeRefused, NodeService
 from pdserve.utils import cdiv
 
 logger = logging.getLogger(__name__)

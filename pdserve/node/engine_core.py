@@ -65,7 +65,7 @@ from pdserve.messages import (
 )
 from pdserve.node.channel import CallRefused
 from pdserve.node.engine_loop import EngineLoop, error_output
-from pdserve.node.framework import (
+from pdserve.node.service import (
     RETRY_AFTER_S,
     NodeRefused,
     NodeService,
