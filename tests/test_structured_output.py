@@ -257,6 +257,17 @@ def _prefill_first_token(engine, rid: str, prompt: list[int], params: SamplingPa
             return out.outputs[0].token_ids[0]
 
 
+def _land_and_finish(engine, request_id: str, prompt, params, first: int):
+    """The decode side: reserve, the KV "lands" with the prefill node's first token, run to the
+    end; the request's last completion."""
+    assert engine.reserve_remote(request_id, prompt, params) is not None
+    engine.remote_kv_landed(request_id, first, None, b"", 0)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    return outs[-1].outputs[0]
+
+
 def test_remote_first_token_advances_the_decode_side_matcher(tiny):
     """P/D: the prefill engine samples the first token under the mask; the decode engine's matcher
     takes it before its first step, so the whole output obeys the grammar."""
@@ -267,14 +278,8 @@ def test_remote_first_token_advances_the_decode_side_matcher(tiny):
     first = _prefill_first_token(engine, "pre", prompt, params)
     assert re.fullmatch(r"[a-c]", tiny.get_tokenizer().decode([first]).strip()[:1])
     engine.release_held("pre")
-    # The decode side: reserve, then the KV "lands" with the first token.
-    assert engine.reserve_remote("dec", prompt, params) is not None
-    engine.remote_kv_landed("dec", first, None, b"", 0)
-    outs = []
-    while engine.has_unfinished_requests():
-        outs += engine.step()
-    text = outs[-1].outputs[0].text
-    assert outs[-1].outputs[0].token_ids[0] == first and re.fullmatch(PATTERN, text), text
+    out = _land_and_finish(engine, "dec", prompt, params, first)
+    assert out.token_ids[0] == first and re.fullmatch(PATTERN, out.text), out.text
     _check_idle(tiny)
 
 
@@ -299,13 +304,8 @@ def test_landed_request_whose_grammar_compiles_late_waits_and_catches_up(tiny, m
         return StructuredOutputRequest(fut)
 
     monkeypatch.setattr(engine.structured, "request", late)
-    assert engine.reserve_remote("dec2", prompt, params) is not None
-    engine.remote_kv_landed("dec2", first, None, b"", 0)
-    outs = []
-    while engine.has_unfinished_requests():
-        outs += engine.step()
-    text = outs[-1].outputs[0].text
-    assert outs[-1].outputs[0].token_ids[0] == first and re.fullmatch(PATTERN, text), text
+    out = _land_and_finish(engine, "dec2", prompt, params, first)
+    assert out.token_ids[0] == first and re.fullmatch(PATTERN, out.text), out.text
     _check_idle(tiny)
 
 
