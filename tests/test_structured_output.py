@@ -323,7 +323,10 @@ def test_gpu_mask_with_cuda_graphs_and_async_scheduling():
     decode steps replay graphs under async scheduling or run eagerly and synchronously, and every
     output follows its grammar. Random weights (``random:tiny``, the default model's tokenizer),
     so the GPU host needs no model download: a valid output is the mask's doing."""
-    kwargs = dict(dtype="float32", device="cuda", max_num_seqs=16, max_num_batched_tokens=2048)
+    # Both engines live at once: a fixed KV cache each (a sized one would take the GPU's memory).
+    kwargs = dict(
+        dtype="float32", device="cuda", max_num_seqs=16, max_num_batched_tokens=2048, num_kv_blocks=512
+    )
     fast = LLM("random:tiny", async_scheduling=True, **kwargs)
     assert fast.engine.runner.graphs is not None and fast.engine.async_scheduling
     replays = []

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 
-from pdserve.benchmarks.serve_metrics import percentile
+from pdserve.benchmarks.serve_metrics import means_since, percentile, seconds_totals
 from pdserve.cluster import ClusterConfig, LocalCluster, free_port
 from pdserve.config import ModelConfig
 
@@ -67,24 +67,7 @@ async def _drive(url: str, prompts: list[list[int]], output_len: int) -> list[tu
 
 
 def _seconds_totals(url: str) -> dict[str, tuple[float, float]]:
-    """(sum, count) of every ``*_seconds`` histogram a server exports."""
-    totals: dict[str, list[float]] = {}
-    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
-        name, _, value = line.partition(" ")
-        for part, i in (("_sum", 0), ("_count", 1)):
-            if name.endswith("_seconds" + part):
-                totals.setdefault(name[: -len(part)], [0.0, 0.0])[i] = float(value)
-    return {k: (v[0], v[1]) for k, v in totals.items()}
-
-
-def _means_since(before: dict, after: dict) -> dict[str, float]:
-    """Mean of each histogram over the observations between two scrapes."""
-    means = {}
-    for name, (total, count) in after.items():
-        total0, count0 = before.get(name, (0.0, 0.0))
-        if count > count0:
-            means[name] = (total - total0) / (count - count0)
-    return means
+    return seconds_totals(httpx.get(f"{url}/metrics", timeout=30).text)
 
 
 def run_shape(name: str, cfg: ClusterConfig, args, prompts, warmup: list[int]) -> dict:
@@ -99,7 +82,7 @@ def run_shape(name: str, cfg: ClusterConfig, args, prompts, warmup: list[int]) -
         asyncio.run(_drive(url, [warmup], 4))
         before = {role: _seconds_totals(u) for role, u in servers.items()}
         results = asyncio.run(_drive(url, prompts, args.output_len))
-        phases = {role: _means_since(before[role], _seconds_totals(u)) for role, u in servers.items()}
+        phases = {role: means_since(before[role], _seconds_totals(u)) for role, u in servers.items()}
     finally:
         cluster.stop()
     return {

@@ -241,3 +241,30 @@ def max_goodput_rate(
         if math.isfinite(rate) and attainment is not None and attainment >= target
     ]
     return max(passing) if passing else None
+
+
+Totals = dict[str, tuple[float, float]]
+"""(sum, count) per histogram name."""
+
+
+def seconds_totals(metrics_text: str) -> Totals:
+    """(sum, count) of every ``*_seconds`` histogram in a Prometheus text exposition (labels
+    and all series of a name added together)."""
+    totals: dict[str, list[float]] = {}
+    for line in metrics_text.splitlines():
+        name, _, value = line.partition(" ")
+        name = name.partition("{")[0]
+        for part, i in (("_sum", 0), ("_count", 1)):
+            if name.endswith("_seconds" + part):
+                totals.setdefault(name[: -len(part)], [0.0, 0.0])[i] += float(value.split()[0])
+    return {k: (v[0], v[1]) for k, v in totals.items()}
+
+
+def means_since(before: Totals, after: Totals) -> dict[str, float]:
+    """Mean of each histogram over the observations between two :func:`seconds_totals`."""
+    means = {}
+    for name, (total, count) in after.items():
+        total0, count0 = before.get(name, (0.0, 0.0))
+        if count > count0:
+            means[name] = (total - total0) / (count - count0)
+    return means

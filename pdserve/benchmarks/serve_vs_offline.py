@@ -22,7 +22,10 @@ the same shape first, then best of ``--repeats``:
 
 Output tok/s is completed requests x ``--output-len`` over the wall time from the first send to
 the last finish (so the same count as the anchor's). TTFT is send to the first token event, TPOT
-(end - first token) / (tokens - 1), per request. Writes JSON (``--out``) naming the device.
+(end - first token) / (tokens - 1), per request. Each timed run also records the mean of every
+``*_seconds`` histogram the proxy and the nodes export over that run (``mean_seconds``: reserve,
+prefill call, KV transfer, ...), to show where the time went. Writes JSON (``--out``) naming the
+device.
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+
+from pdserve.benchmarks.serve_metrics import means_since, seconds_totals
 
 DEFAULT_OUT = "docs/benchmarks/serve_vs_offline.json"
 VOCAB = 32000
@@ -136,8 +141,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _client(port: int, model: str, jobs: list[list[int]], streams: int, output_len: int, results) -> None:
-    """One client process: ``streams`` concurrent streams over its share of the prompts."""
+def _client(
+    port: int, model: str, jobs: list[list[int]], streams: int, output_len: int, ready, go, results
+) -> None:
+    """One client process: ``streams`` concurrent streams over its share of the prompts, started
+    when ``go`` is set (so that no process start-up falls into the timed wall). Puts its rows and
+    the ``time.monotonic()`` of its first send and last finish."""
 
     async def one(ids: list[int]) -> tuple[float, float, int, bool]:
         body = json.dumps(
@@ -184,25 +193,32 @@ def _client(port: int, model: str, jobs: list[list[int]], streams: int, output_l
         await asyncio.gather(*(worker() for _ in range(streams)))
         return out
 
-    results.put(asyncio.run(main()))
+    ready.put(os.getpid())
+    go.wait()
+    started = time.monotonic()
+    rows = asyncio.run(main())
+    results.put((rows, started, time.monotonic()))
 
 
 def _load(
     port: int, model: str, prompts: list[list[int]], concurrency: int, output_len: int, procs: int
 ) -> dict:
     ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
+    ready, go, results = ctx.Queue(), ctx.Event(), ctx.Queue()
     shares = [prompts[i::procs] for i in range(procs)]
     per = [concurrency // procs + (1 if i < concurrency % procs else 0) for i in range(procs)]
     workers = [
-        ctx.Process(target=_client, args=(port, model, shares[i], per[i], output_len, results))
+        ctx.Process(target=_client, args=(port, model, shares[i], per[i], output_len, ready, go, results))
         for i in range(procs)
     ]
-    start = time.perf_counter()
     for w in workers:
         w.start()
-    rows = [r for _ in workers for r in results.get()]
-    wall = time.perf_counter() - start
+    for _ in workers:
+        ready.get()
+    go.set()
+    parts = [results.get() for _ in workers]
+    rows = [r for part in parts for r in part[0]]
+    wall = max(p[2] for p in parts) - min(p[1] for p in parts)
     for w in workers:
         w.join()
     ok = [r for r in rows if r[3] and r[2] > 0]
@@ -282,10 +298,15 @@ def _serve(args: argparse.Namespace, topology: str, prompts: list[list[int]], lo
         at_ready = [_jit_compiles(url) for url in nodes.values()]
         warm = _load(*load, prompts[: args.concurrency], args.concurrency, args.output_len, args.client_procs)
         after_warmup = [_jit_compiles(url) for url in nodes.values()]
-        runs = [
-            _load(*load, prompts, args.concurrency, args.output_len, args.client_procs)
-            for _ in range(args.repeats)
-        ]
+        servers = {flag.removeprefix("--").removesuffix("-urls"): url for flag, url in nodes.items()}
+        servers["proxy"] = f"http://127.0.0.1:{proxy_port}"
+        runs = []
+        for _ in range(args.repeats):
+            before = {name: _seconds_totals(url) for name, url in servers.items()}
+            runs.append(_load(*load, prompts, args.concurrency, args.output_len, args.client_procs))
+            runs[-1]["mean_seconds"] = {
+                name: means_since(before[name], _seconds_totals(url)) for name, url in servers.items()
+            }
         best = max(runs, key=lambda s: s["output_tok_s"])
         best["runs_tok_s"] = [r["output_tok_s"] for r in runs]
         best["warmup_tok_s"] = warm["output_tok_s"]
@@ -302,6 +323,11 @@ def _serve(args: argparse.Namespace, topology: str, prompts: list[list[int]], lo
                 p.wait(60)
             except subprocess.TimeoutExpired:
                 p.kill()
+
+
+def _seconds_totals(url: str) -> dict[str, tuple[float, float]]:
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as r:
+        return seconds_totals(r.read().decode())
 
 
 def _jit_compiles(url: str) -> float | None:
