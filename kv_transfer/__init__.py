@@ -16,10 +16,12 @@ The API has two halves.
   after they were freed, and a request never runs on partial KV.
 * Who frees: the decode node frees what it reserved (on finish, abort or expiry);
   the prefill node frees its own blocks (``LLMEngine.release_held``; ``pin_held`` keeps them
-  while a send may read them) only once the send's future has resolved, either way, since a
-  transport may read them in place until then, or keeps them as prefix cache. A request whose
-  send failed is never committed, so the blocks may be reused at once even if the peer still
-  reads them.
+  while a send may read them), or keeps them as prefix cache, only once the sender released
+  them (``KVSendFuture.released``), since a transport may read them in place until then. That
+  comes with the send's outcome, except after a failure while a peer may still read on its own
+  (nixl, a dead or stuck decode node): the request fails at the send's timeout, and the blocks
+  stay pinned until no READ offered can run any more (a late READ could otherwise carry
+  another request's KV into a request it then commits).
 
 **Worker side** (the backends; they move bytes and never touch scheduler state):
 
@@ -29,9 +31,9 @@ The API has two halves.
 * ``KVSender`` (prefill): ``register_kv_cache`` once; ``handshake`` with a peer at
   first contact (mismatched model, dtype, block size, layout or shapes are refused
   then, with an error naming the field); ``send`` moves a request's blocks into the
-  peer's reserved blocks and returns a future that resolves when the peer acked the
-  commit, or fails with a clear error on timeout or a dead peer. The caller keeps the source
-  blocks unchanged until then.
+  peer's reserved blocks and returns a ``KVSendFuture`` that resolves when the peer acked the
+  commit, or fails with a clear error on timeout or a dead peer; the caller keeps the source
+  blocks unchanged until its ``released`` resolved too.
 
 **Transports as plugins.** Every transport speaks the same control protocol on one ZeroMQ
 connection (handshake, transport set-up, renewals, commits: the control host, ``control``) and
@@ -80,6 +82,7 @@ from pdserve.kv_transfer.base import (
     KVReceiver,
     KVRefused,
     KVSender,
+    KVSendFuture,
     KVTransferError,
     ReservationTable,
     check_compatible,
@@ -97,6 +100,7 @@ __all__ = [
     "KVHandshakeRefused",
     "KVRefused",
     "KVSender",
+    "KVSendFuture",
     "KVTransferError",
     "NcclOptions",
     "NixlOptions",

@@ -221,6 +221,45 @@ class ReservationTable:
             return [rid for rid, r in self._table.items() if not r.committed and now > r.deadline]
 
 
+class KVSendFuture(Future[KVAck | None]):
+    """What ``KVSender.send`` returns: two signals, since a send may fail before its blocks are free.
+
+    * The future itself: the send's outcome (the ack, None for a send without a commit, or a
+      ``KVTransferError``), at the latest at the send's timeout: the caller fails or retries the
+      request then.
+    * ``released``: resolves (always with None) once the transport can no longer read the source
+      blocks; only then may the caller reuse them. It resolves with the outcome, or right after it,
+      except when the send fails while data may still move on its own: nixl after a timeout or a
+      dead peer, once every READ the decode node was offered on that connection is past the time it
+      was given (a late READ could otherwise read blocks given to another request). A sender
+      releases its sends to one peer in the order it took them, so a send's ``released`` also
+      covers the earlier sends of its request (chunks whose futures nobody waits for)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.released: Future[None] = Future()
+
+    @classmethod
+    def failed(cls, error: BaseException) -> KVSendFuture:
+        """A send that failed before any of its data left: both signals at once."""
+        fut = cls()
+        fut.set_exception(error)
+        fut.released.set_result(None)
+        return fut
+
+
+def call_at(when: float, fn: Callable[[], None]) -> None:
+    """Run ``fn`` at ``time.monotonic()`` ``when``: here and now if that is past, else on a timer
+    thread of its own (for rare events: a connection given up with transfers that may still run)."""
+    delay = when - time.monotonic()
+    if delay <= 0:
+        fn()
+        return
+    timer = threading.Timer(delay, fn)
+    timer.daemon = True
+    timer.start()
+
+
 class KVReceiver(ABC):
     """Decode side: receives blocks into reserved slots of the registered cache."""
 
@@ -266,16 +305,19 @@ class KVSender(ABC):
         commit: KVCommit | None,
         timeout: float,
         layer_events: Sequence | None = None,
-    ) -> Future[KVAck | None]:
+    ) -> KVSendFuture:
         """Deliver the blocks ``src_block_ids`` of the local cache into the peer's reserved
-        ``dst_block_ids``. The caller keeps the source blocks unchanged until the future resolves,
-        either way: a transport may read them in place (nixl) rather than copy them out here (zmq,
-        nccl). Without a commit, more blocks of the request follow in later calls (a prompt sent
+        ``dst_block_ids``. The caller keeps the source blocks unchanged until the returned future's
+        ``released`` resolves, which may be later than the outcome after a failure
+        (``KVSendFuture``): a transport may read them in place (nixl) rather than copy them out here
+        (zmq, nccl). Without a commit, more blocks of the request follow in later calls (a prompt sent
         chunk by chunk while it is computed) and the future resolves to None once the blocks are
         out (for nixl: read by the peer); with one, it resolves to the peer's ack after it checked
         that every block of the reservation landed. Failures raise ``KVTransferError``; blocks of a
         failed partial send make the final commit fail, and a request whose send failed is never
-        committed, so partial KV (or bytes read from blocks reused after a failure) is never used.
+        committed, so partial KV is never used; and blocks are reused only once ``released``, so
+        no late READ of a peer that missed the failure can carry another request's KV into a
+        request it then commits.
 
         On CUDA the blocks may still be being written by kernels queued on the current stream:
         the send waits for them. ``layer_events`` (one CUDA event per layer, after which that

@@ -58,9 +58,11 @@ from pdserve.kv_transfer.base import (
     KVReceiver,
     KVRefused,
     KVSender,
+    KVSendFuture,
     KVTransferError,
     ReservationTable,
     Staged,
+    call_at,
     check_compatible,
     copy_to_cpu,
 )
@@ -434,7 +436,7 @@ class _Job:
     dst_block_ids: list[int]
     commit: KVCommit | None  # None: more blocks follow later
     timeout: float
-    future: Future
+    future: Future  # a send's: a KVSendFuture, whose ``released`` the peer's thread resolves
     renew: KVRenew | None = None
 
 
@@ -455,6 +457,10 @@ class _Peer(ControlLink):
         self.refused = ""  # permanent handshake refusal
         self.failed: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._waiting_for = ""
+        self._quiet: Future[None] = Future()
+        """Resolves once no data of the sends taken so far can move any more (a closed session may
+        still be read from for a while: ``SenderSession.close``); sends are released behind it."""
+        self._quiet.set_result(None)
         self.thread = threading.Thread(target=self._run, name=f"kv-sender {address}", daemon=True)
         self.thread.start()
 
@@ -469,16 +475,22 @@ class _Peer(ControlLink):
     def _close_socket(self) -> None:
         """Forget the connection and its data-plane session: the next job starts afresh. The
         socket goes first (ZeroMQ drops what it had not sent), then the session, which may wait
-        for ZeroMQ to let go of frames that point into the cache."""
+        for ZeroMQ to let go of frames that point into the cache, or say until when its peer may
+        still read (``SenderSession.close``): the sends taken so far are released after that."""
         if self.sock is not None:
             self.sock.close(linger=0)
             self.sock = None
         if self.session is not None:
             try:
-                self.session.close()
+                quiet_at = self.session.close()
             except Exception:
                 logger.exception("closing the %s session to %s failed", self.transport, self.address)
+                quiet_at = 0.0
             self.session = None
+            if quiet_at > time.monotonic():  # quiet once the earlier sessions are and that time passed
+                quiet: Future[None] = Future()
+                self._quiet.add_done_callback(lambda _: call_at(quiet_at, lambda: quiet.set_result(None)))
+                self._quiet = quiet
         self.peer_info = None
         self.transport = ""
 
@@ -489,18 +501,25 @@ class _Peer(ControlLink):
                 self._close_socket()
                 return
             try:
-                job.future.set_result(self._do(job))
+                result = self._do(job)
             except Exception as e:
-                # The request is never committed from here on (its source blocks may be reused).
+                # The request is never committed from here on.
                 if job.request_id:
                     self.failed[job.request_id] = None
                     while len(self.failed) > self.FAILED_MEMORY:
                         self.failed.popitem(last=False)
+                # The send fails now, at its deadline; its blocks are released below, once nothing
+                # can read them any more.
+                job.future.set_exception(e if isinstance(e, KVTransferError) else KVTransferError(str(e)))
                 # A refusal leaves the connection as it was (a new NCCL communicator costs a second
                 # on GPUs); a timeout or broken peer leaves it in an unknown state: start afresh.
                 if not isinstance(e, KVRefused):
                     self._close_socket()
-                job.future.set_exception(e if isinstance(e, KVTransferError) else KVTransferError(str(e)))
+            else:
+                job.future.set_result(result)
+            if isinstance(job.future, KVSendFuture):  # at once, unless a closed session may still be read
+                released = job.future.released
+                self._quiet.add_done_callback(lambda _, released=released: released.set_result(None))
 
     def recv(self, deadline: float, kind, resend: list | None = None, idle: Callable[[], None] | None = None):
         """The next reply of type ``kind`` (for KVAck: of the request awaited); others go to the
@@ -658,7 +677,7 @@ class ControlSender(KVSender):
         commit: KVCommit | None,
         timeout: float,
         layer_events: Sequence | None = None,
-    ) -> Future[KVAck | None]:
+    ) -> KVSendFuture:
         assert self.kv is not None, "register_kv_cache first"
         if len(src_block_ids) != len(dst_block_ids):
             raise KVTransferError(f"{len(src_block_ids)} source blocks for {len(dst_block_ids)} destinations")
@@ -669,7 +688,7 @@ class ControlSender(KVSender):
         else:  # not agreed yet: on the CPU, the only copy
             staged = copy_to_cpu(self.kv, src_block_ids)
         self.bytes_sent += len(src_block_ids) * self._bytes_per_block
-        fut: Future = Future()
+        fut = KVSendFuture()
         peer.jobs.put(_Job(info, request_id, staged, list(dst_block_ids), commit, timeout, fut))
         return fut
 

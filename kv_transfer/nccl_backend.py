@@ -638,9 +638,11 @@ class NcclSession(SenderSession):
             works += _p2p(self.group, views, 1, seq, recv=False)
         return works
 
-    def close(self) -> None:
+    def close(self) -> float:
+        """Abort the communicator: nothing of it moves once that returned."""
         _abort(self.group)
         self.group = None
+        return time.monotonic()
 
 
 def nccl_available() -> bool:

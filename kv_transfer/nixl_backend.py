@@ -30,7 +30,9 @@ send without a commit, once it reported each READ over), and the prefill node ke
 until then. Each READ is given the send's time left less a margin (``READ_MARGIN_S``); one still
 running then is cancelled, and one found done only after it fails its request, so a READ that
 could have read blocks given back never counts. If the sender gives up first (its deadline, a
-dead peer), it keeps the blocks until the READs it offered were given up on the decode node.
+dead peer), the send fails at once, but its blocks (``KVSendFuture.released``) and staging slots
+are given back only once each READ it offered and did not hear the end of is past the time the
+decode node was given for it, plus the margin (``NixlSession.close``).
 
 Per send (control messages in ``kv_transfer/messages.py`` on the control connection):
 
@@ -95,6 +97,7 @@ from pdserve.kv_transfer.base import (
     Staged,
     block_index,
     block_runs,
+    call_at,
     coalesce,
     gather_into,
     in_place,
@@ -721,6 +724,14 @@ def _read_timeout(left: float) -> float:
     return max(left - min(READ_MARGIN_S, left / 10), 0.0)
 
 
+@dataclass(frozen=True)
+class _Offered:
+    """A READ offered to the decode node and not yet reported over."""
+
+    slot: int  # the staging slot it reads (-1: in place)
+    read_until: float  # time.monotonic() here when the decode node's time for it ends
+
+
 class NixlSession(SenderSession):
     """Offers READs on the control connection. The READs offered and not yet reported over
     (``KVReadDone``) are the session's ``pending``, whatever send offered them: reports the control
@@ -730,9 +741,8 @@ class NixlSession(SenderSession):
         self.plane = plane
         self.peer = link
         self.progress = plane.progress
-        self._pending: dict[int, int] = {}  # xfer id -> staging slot (-1 in place)
+        self._pending: dict[int, _Offered] = {}  # xfer id -> the READ
         self._error = ""  # the first refusal among the pending READs' reports
-        self._read_until = 0.0  # the latest end the decode node was given for a READ offered here
 
     carries_commit = True  # inside the send's last KVReady
 
@@ -789,8 +799,7 @@ class NixlSession(SenderSession):
         timeout = _read_timeout(max(deadline - now, 0.0))
         xfer_id = next(self.plane._xfer_ids)
         msg = KVReady(request_id, xfer_id, src, dst, layer_start, layer_end, timeout, src_offset, commit)
-        self._pending[xfer_id] = slot
-        self._read_until = max(self._read_until, now + timeout)
+        self._pending[xfer_id] = _Offered(slot, now + timeout)
         self.peer.send([encode(msg)], deadline)
 
     def _finish(self, until: float) -> None:
@@ -803,16 +812,16 @@ class NixlSession(SenderSession):
     def acked(self) -> None:
         """The decode node answered the commit only once no READ of the request was left, and
         reports no READ that ends after the commit arrived: every pending one is over."""
-        for slot in self._pending.values():
-            if slot >= 0:
-                self.plane.pool.release(slot)
+        for read in self._pending.values():
+            if read.slot >= 0:
+                self.plane.pool.release(read.slot)
         self._pending.clear()
 
     def _done(self, done: KVReadDone) -> bool:
         """A READ is over: free its slot; False for a report of none pending (a transfer given up)."""
         if done.xfer_id not in self._pending:
             return False
-        slot = self._pending.pop(done.xfer_id)
+        slot = self._pending.pop(done.xfer_id).slot
         if slot >= 0:
             self.plane.pool.release(slot)
         self._error = self._error or done.error
@@ -890,18 +899,28 @@ class NixlSession(SenderSession):
         if error:
             raise KVRefused(f"KV peer {self.peer.address} refused a NIXL READ: {error}")
 
-    def close(self) -> None:
+    def close(self) -> float:
         """The connection is gone with READs not reported over: each ends on the decode node by the
-        time it was given (failed, if it is still running then), so their blocks and slots are
-        given back only after that."""
-        if self._pending:
-            wait = min(self._read_until - time.monotonic(), self.plane.options.max_read_s) + READ_MARGIN_S
-            if wait > 0:
-                time.sleep(wait)
-            for slot in self._pending.values():
-                if slot >= 0:
-                    self.plane.pool.release(slot)
-            self._pending.clear()
+        time it was given (failed, if it is still running then; never later than ``max_read_s``),
+        so their blocks and slots are free only after that, plus ``READ_MARGIN_S`` for the trip of
+        the KVReady. Returns at once with that time (now when nothing is pending), and gives the
+        slots back then, on a timer. A decode node that is gone or stuck says nothing more, so the
+        wait is never cut short."""
+        now = time.monotonic()
+        if not self._pending:
+            return now
+        read_until = max(read.read_until for read in self._pending.values())
+        free_at = min(read_until, now + self.plane.options.max_read_s) + READ_MARGIN_S
+        slots = [read.slot for read in self._pending.values() if read.slot >= 0]
+        self._pending.clear()
+        pool = self.plane.pool
+
+        def give_back() -> None:
+            for slot in slots:
+                pool.release(slot)
+
+        call_at(free_at, give_back)
+        return free_at
 
 
 def _stream(stream):

@@ -196,7 +196,8 @@ class SenderSession(ABC):
         READs) returns as soon as the data is on its way, with a function that waits, until the
         deadline it is given, for the data to have left: the sender sends the commit at once, then
         calls it before the send's future resolves (the source blocks are read until then). If the
-        sender gives up instead, closing the session stops the data."""
+        sender gives up instead, closing the session stops the data, or says until when it may
+        still move (``close``)."""
 
     def acked(self) -> None:
         """The peer answered the commit of the send just delivered (either way); a plane whose
@@ -210,9 +211,14 @@ class SenderSession(ABC):
         return None
 
     @abstractmethod
-    def close(self) -> None:
-        """The connection is dropped (timeout, broken peer, sender closing): stop any data still
-        moving, or wait until it cannot move any more; then the caller may reuse its blocks."""
+    def close(self) -> float:
+        """The connection is dropped (timeout, broken peer, sender closing): stop the data still
+        moving, and return the ``time.monotonic()`` from which none can move any more (a time
+        already past where close stopped it all: zmq once ZeroMQ let go of its frames, nccl once
+        the communicator is aborted). The caller reuses the source blocks only from then on
+        (``KVSendFuture.released``). A session whose peer may still read on its own (nixl) returns
+        at once with the end of the time it gave the peer, and gives back what else the peer may
+        read (staging slots) only then."""
 
 
 OptionsT = TypeVar("OptionsT")

@@ -329,9 +329,9 @@ class ZmqSession(SenderSession):
             header = KVBlocks(request_id, dst, l0, l1, nbytes, commit=commit if last else None)
             self.link.send([encode(header), memoryview(part.view(torch.uint8).numpy())], deadline)
 
-    def close(self) -> None:
+    def close(self) -> float:
         """After the connection closed: ZeroMQ drops what it had not sent; wait until it let go of
-        every frame that points into the cache, so the caller may reuse those blocks."""
+        every frame that points into the cache, so the caller may reuse those blocks from now."""
         until = time.monotonic() + RELEASE_WAIT_S
         for tracker in self._trackers:
             try:
@@ -340,6 +340,7 @@ class ZmqSession(SenderSession):
                 logger.error("zmq still holds KV frames of a closed connection after %.0f s", RELEASE_WAIT_S)
                 break
         self._trackers = []
+        return time.monotonic()
 
 
 PLUGIN = TransportPlugin(

@@ -9,13 +9,15 @@ descriptor):
    the request finishes but keeps its blocks.
 3. Right after that step, on the engine thread, the sender takes the blocks (nothing can
    evict them before). The transport may read them in place (nixl), so the service pins them
-   in the engine (``LLMEngine.pin_held``) until the send is over, either way, even if the
-   request is aborted meanwhile; then it releases them: they stay in the prefix cache for
-   later prompts.
+   in the engine (``LLMEngine.pin_held``) until the sender releases them
+   (``KVSendFuture.released``), even if the request is aborted meanwhile; then they stay in the
+   prefix cache for later prompts.
 4. The sender delivers the KV and the commit (first token, its logprobs, the seeded
    sampler's state, cached-token count) and waits for the decode node's ack; the call's
-   reply is that outcome (a ``TransferDone`` from the engine core). The proxy worker leaving (or
-   an abort) ends the prefill.
+   reply is that outcome (a ``TransferDone`` from the engine core), as soon as it is known: a send
+   to a dead or stuck decode node fails at its timeout, so the proxy can move the request on,
+   while its blocks stay pinned until no READ offered to that node can run any more. The proxy
+   worker leaving (or an abort) ends the prefill.
 
 ``PrefillService`` runs in the node's engine core process (``pdserve.node.engine_core``): the
 sender, the shipments and the lease renewals live beside the engine; the call handler
@@ -50,7 +52,7 @@ from pdserve import kv_transfer
 from pdserve.config import EngineConfig, NodeConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.outputs import LaunchedChunk, RequestOutput
-from pdserve.kv_transfer import KVHandshakeRefused
+from pdserve.kv_transfer import KVHandshakeRefused, KVSendFuture
 from pdserve.kv_transfer.messages import KVCommit
 from pdserve.messages import (
     AddPrefill,
@@ -80,9 +82,10 @@ class Stage(enum.Enum):
     """The engine runs the prompt; each launched step ships the blocks it fills."""
     SENDING = "sending"
     """The first token is out and the last send (with the commit) is in flight: the engine keeps
-    the blocks pinned, even through an abort, until the send is over."""
+    the blocks pinned, even through an abort, until the sender releases them."""
     DONE = "done"
-    """The send is over and the blocks released, or the request ended before its last send."""
+    """The send's outcome is known (its blocks are freed once the sender released them too), or
+    the request ended before its last send."""
 
 
 @dataclass(eq=False)
@@ -271,9 +274,9 @@ class PrefillService(NodeService):
                 generator_state=engine.generator_state(out.request_id),
                 num_cached_tokens=out.num_cached_tokens,
             )
-            # The transport may read the blocks until the send is over, even after an abort.
+            # The transport may read the blocks until it releases them, even after an abort.
             engine.pin_held(out.request_id)
-            shipment.stage = Stage.SENDING  # until _release
+            shipment.stage = Stage.SENDING  # until _finish
             started = time.monotonic()
             try:
                 fut = self.sender.send(
@@ -286,9 +289,9 @@ class PrefillService(NodeService):
                     self.state.node.kv_transfer_timeout_s,
                 )
             except Exception as e:
-                fut = Future()
-                fut.set_exception(e)
+                fut = KVSendFuture.failed(e)
             fut.add_done_callback(lambda f, s=shipment, t=started: self._transfer_done(s, f, t))
+            fut.released.add_done_callback(lambda _, rid=out.request_id: self._released(rid))
 
     def _ship_launched(self, chunks: list[LaunchedChunk], layer_events: list | None) -> None:
         """Ship the blocks a launched step fills (a finishing prompt's last, partial one too)."""
@@ -326,17 +329,22 @@ class PrefillService(NodeService):
     def _transfer_done(self, shipment: Shipment, fut: Future, started: float) -> None:
         # The sender's thread (or the engine loop when the send failed at once).
         seconds = time.monotonic() - started
-        self.state.loop.submit(lambda engine: self._release(engine, shipment, fut, seconds))
+        self.state.loop.submit(lambda engine: self._finish(engine, shipment, fut, seconds))
 
-    def _release(self, engine: LLMEngine, shipment: Shipment, fut: Future, seconds: float) -> None:
-        """The send is over: the transport no longer reads the blocks; its outcome goes to the
-        call handler in the node process."""
+    def _finish(self, engine: LLMEngine, shipment: Shipment, fut: Future, seconds: float) -> None:
+        """The send's outcome is known: it goes to the call handler in the node process, and the
+        blocks are released, to be freed (or kept as prefix cache) once the sender released them
+        too (``_released``; often the same moment)."""
         shipment.stage = Stage.DONE
-        engine.unpin_held(shipment.request_id)
         engine.release_held(shipment.request_id)
         exc = fut.exception()
         error = "" if exc is None else (str(exc) or type(exc).__name__)
         self.state.transfers.append(TransferDone(shipment.request_id, error, seconds))
+
+    def _released(self, request_id: str) -> None:
+        """The transport can no longer read the blocks (any thread): unpin them on the engine loop.
+        Comes with or after the outcome, so the blocks are freed then."""
+        self.state.loop.submit(lambda engine: engine.unpin_held(request_id))
 
     def forget(self, request_id: str) -> None:
         # Nothing more is shipped from its steps. A last send in flight keeps its blocks pinned

@@ -431,22 +431,37 @@ class Remote:
         self.proc.join(timeout=10)
 
 
-@pytest.mark.parametrize("name", ACROSS_PROCESSES)
+@pytest.mark.parametrize("name", BACKENDS)
 def test_receiver_killed_fails_the_transfer_in_time(name):
+    """A send to a receiver killed after an earlier send (given a long timeout) went through fails at
+    its own timeout; its source blocks are released (``KVSendFuture.released``) only once nothing
+    can read them any more: for nixl, once the decode node's time for the READ it was offered is
+    past (plus the margin for the trip), however long that earlier send's READ was given."""
     remote = Remote(_serve, name)
     assert remote.conn.poll(60)
     address = remote.conn.recv()
     src = torch.randn(L, NB, 2, BS, H, D)
     sender = make_sender(name, src)
     try:
-        remote.call("reserve", "ok", [1, 2], 10)
-        assert _send(sender, address, "ok", [0, 1], [1, 2]).result().ok
+        remote.call("reserve", "ok", [1, 2], 60)
+        assert _send(sender, address, "ok", [0, 1], [1, 2], timeout=30.0).result().ok
         remote.call("reserve", "lost", [3, 4], 10)
         remote.kill()
         start = time.monotonic()
+        fut = _send(sender, address, "lost", [2, 3], [3, 4], timeout=1.0)
+        released_at: list[float] = []
+        fut.released.add_done_callback(lambda _: released_at.append(time.monotonic() - start))
         with pytest.raises(KVTransferError):
-            _send(sender, address, "lost", [2, 3], [3, 4], timeout=1.0).result()
-        assert time.monotonic() - start < 5
+            fut.result()
+        failed_after = time.monotonic() - start
+        assert failed_after < 1.0 + 0.5
+        assert fut.released.result(timeout=10) is None
+        if backend(name) == "nixl":  # the READ offered would have ended 0.9 s in, failed if late
+            from pdserve.kv_transfer.nixl_backend import READ_MARGIN_S
+
+            assert released_at[0] >= 0.9 + READ_MARGIN_S - 0.05 > failed_after
+        else:  # nothing moves once the connection is closed
+            assert released_at[0] < failed_after + 0.5
     finally:
         sender.close()
         remote.kill()

@@ -1,7 +1,7 @@
 """nixl reads the blocks in place out of the prefill node's registered cache (DRAM via UCX here):
 block ids in any order and number, caches of different sizes, a reservation released while its
 READ is running, a prefill node killed mid-READ; and the prefill node keeping the source blocks
-until the send is over, even when the request is aborted meanwhile."""
+until the sender released them, even when the request is aborted or its send failed meanwhile."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from pdserve import kv_transfer
-from pdserve.kv_transfer import KVTransferError, ReservationTable
+from pdserve.kv_transfer import KVSendFuture, KVTransferError, ReservationTable
 from pdserve.kv_transfer.messages import KVCommit
 from pdserve.messages import NodeInfo
 
@@ -341,7 +341,7 @@ def test_prefill_node_killed_mid_read():
         receiver.close()
 
 
-# -- the prefill node keeps the source blocks until the send is over --------------------------------
+# -- the prefill node keeps the source blocks until the sender released them -----------------------
 
 
 class _Sender:
@@ -350,12 +350,21 @@ class _Sender:
     bytes_sent = 0
 
     def __init__(self) -> None:
-        self.sends: list[tuple[str, list[int], Future]] = []
+        self.sends: list[tuple[str, list[int], KVSendFuture]] = []
 
-    def send(self, address, info, request_id, src_block_ids, dst_block_ids, commit, timeout) -> Future:
-        fut: Future = Future()
+    def send(self, address, info, request_id, src_block_ids, dst_block_ids, commit, timeout) -> KVSendFuture:
+        fut = KVSendFuture()
         self.sends.append((request_id, list(src_block_ids), fut))
         return fut
+
+
+def _over(fut: KVSendFuture, error: Exception | None = None) -> None:
+    """The send's outcome and the release of its blocks at once (every transport when it succeeds)."""
+    if error is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(error)
+    fut.released.set_result(None)
 
 
 class _Loop:
@@ -379,8 +388,13 @@ def engine():
     return LLMEngine(config)
 
 
-@pytest.mark.parametrize("case", ["done", "aborted", "aborted, done at once", "done, aborted at once"])
+@pytest.mark.parametrize(
+    "case", ["done", "aborted", "aborted, done at once", "done, aborted at once", "failed, read later"]
+)
 def test_prefill_service_frees_the_blocks_only_when_the_send_is_over(engine, case):
+    """The blocks stay pinned until the sender released them (``KVSendFuture.released``), through an
+    abort; a send that fails while the peer may still READ (nixl, a dead or stuck decode node)
+    reports its failure at once and frees its blocks only at the release."""
     from pdserve.messages import LandingDescriptor
     from pdserve.prefill_node.server import PrefillService, Shipment, Stage
     from pdserve.sampling_params import SamplingParams
@@ -406,23 +420,42 @@ def test_prefill_service_frees_the_blocks_only_when_the_send_is_over(engine, cas
         service.after_step(engine.step())
     ((sent_rid, src, fut),) = service.sender.sends
     assert sent_rid == rid and src == engine.held_block_ids(rid) and len(src) == 3
+
+    def still_pinned() -> None:
+        assert pool.num_free_blocks == total - 3
+        assert all(pool.blocks[b].ref_cnt == 1 for b in src) and engine.held_block_ids(rid) == src
+        engine.scheduler.check_integrity()
+
     if case == "done, aborted at once":  # the send ends, and an abort runs before its release
-        fut.set_result(None)
+        _over(fut)
     if "aborted" in case:  # NodeState.end_request, run by a command when the proxy gives up
         service.forget(rid)
         engine.abort_request([rid])
         if case == "aborted, done at once":  # the send ends before the next command runs
-            fut.set_exception(KVTransferError("peer gone"))
+            _over(fut, KVTransferError("peer gone"))
         while loop.commands:
             loop.commands.pop(0)(engine)
+    if case == "failed, read later":  # the send's timeout: the node learns at once, the blocks wait
+        fut.set_exception(KVTransferError("no reply from KV peer tcp://decode in time"))
+        (finish,) = loop.commands
+        loop.commands.clear()
+        finish(engine)
+        assert [(t.request_id, t.error) for t in state.transfers] == [
+            (rid, "no reply from KV peer tcp://decode in time")
+        ]
+        assert not [r for r, x in service.shipments.items() if x.stage is Stage.SENDING]
+        still_pinned()  # a READ offered may still run on the decode node
+        fut.released.set_result(None)
+        (unpin,) = loop.commands
+        loop.commands.clear()
+        unpin(engine)
     # Neither the step's end nor an abort gave the blocks back: the peer may still be reading them.
     if not fut.done():
-        assert pool.num_free_blocks == total - 3
-        assert all(pool.blocks[b].ref_cnt == 1 for b in src) and engine.held_block_ids(rid) == src
-        engine.scheduler.check_integrity()
-        fut.set_result(None)
-        assert len(loop.commands) == 1  # the release, queued for the engine thread
-        loop.commands.pop()(engine)
+        still_pinned()
+        _over(fut)
+        assert len(loop.commands) == 2  # the outcome and the release, queued for the engine thread
+        while loop.commands:
+            loop.commands.pop(0)(engine)
     assert pool.num_free_blocks == total and rid not in engine.scheduler.held and not loop.commands
     assert not [r for r, x in service.shipments.items() if x.stage is Stage.SENDING]  # no send in flight
     engine.scheduler.check_integrity()
@@ -556,24 +589,72 @@ def test_a_read_that_ends_past_its_deadline_fails_its_request():
 
 
 def test_a_sender_that_loses_its_connection_keeps_the_blocks_until_its_reads_were_given_up():
-    """With READs offered and not reported over, closing a session returns only after the time the
-    decode node was given for them (plus a margin for the trip), then frees their staging slots."""
+    """With READs offered and not reported over, closing a session returns at once with the end of
+    the latest time the decode node was given for one of them, plus a margin for the trip (when the
+    sender may release the blocks), and frees their staging slots only then. READs reported over
+    (or acked) earlier, with longer times, do not count."""
     from pdserve.kv_transfer import nixl_backend as nb
 
-    released: list[int] = []
+    released: list[tuple[int, float]] = []
     plane = types.SimpleNamespace(
         progress=None,
-        pool=types.SimpleNamespace(release=released.append),
+        pool=types.SimpleNamespace(release=lambda slot: released.append((slot, time.monotonic()))),
         options=nb.NixlOptions(max_read_s=5.0),
     )
     session = nb.NixlSession(plane, types.SimpleNamespace(address="tcp://peer"))
-    session._pending = {1: -1, 2: 3}  # in place, and packed in slot 3
-    session._read_until = time.monotonic() + 0.2
     start = time.monotonic()
-    session.close()
-    assert time.monotonic() - start >= 0.2 + nb.READ_MARGIN_S - 0.05
-    assert released == [3] and session._pending == {}
+    session._pending = {9: nb._Offered(-1, start + 30.0)}  # an earlier send's READ, given 30 s
+    session.acked()  # ... and over
+    session._pending = {1: nb._Offered(-1, start + 0.1), 2: nb._Offered(3, start + 0.2)}  # in place; slot 3
+    quiet_at = session.close()
+    assert time.monotonic() - start < 0.05 and session._pending == {}
+    assert quiet_at == pytest.approx(start + 0.2 + nb.READ_MARGIN_S)
+    time.sleep(0.1)
+    assert released == []  # the decode node may still READ slot 3
+    deadline = time.monotonic() + 5
+    while not released and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [slot for slot, _ in released] == [3] and released[0][1] >= quiet_at
+    # A READ given more than max_read_s is cancelled by then on the decode node.
+    session._pending = {4: nb._Offered(-1, time.monotonic() + 60.0)}
+    assert session.close() == pytest.approx(time.monotonic() + 5.0 + nb.READ_MARGIN_S, abs=0.05)
+    assert session.close() <= time.monotonic()  # nothing pending: free now
     assert nb._read_timeout(10.0) == 10.0 - nb.READ_MARGIN_S and nb._read_timeout(1.0) == pytest.approx(0.9)
+
+
+@nixl_only
+def test_a_send_failing_after_a_chunk_that_may_still_be_read_is_released_behind_it():
+    """A decode node that stops answering: the request's chunk fails at its timeout, the send with
+    its commit fails right behind it (the sender's caller, the prefill node, watches only that one),
+    and neither releases the blocks before the decode node's time for the chunk's READ is past."""
+    from pdserve.kv_transfer.nixl_backend import READ_MARGIN_S
+
+    pair = Pair(SMALL, src_blocks=16, dst_blocks=16)
+    try:
+        pair.sender.handshake(pair.address, info("prefill", SMALL), 10)
+        pair.receiver._stop.set()  # stuck: as far as the sender knows, it may still READ
+        pair.receiver._thread.join(timeout=5)
+        pair.table.add("r", [1, 2, 3], time.time() + 30)
+        start = time.monotonic()
+        events: dict[str, float] = {}
+
+        def at(name: str):
+            return lambda _: events.setdefault(name, time.monotonic() - start)
+
+        chunk = pair.send("r", [0, 1], [1, 2], commit=False, timeout=1.0)  # its READ: 0.9 s
+        last = pair.send("r", [2], [3], timeout=0.2)
+        for name, fut in (("chunk", chunk), ("last", last)):
+            fut.add_done_callback(at(name + " failed"))
+            fut.released.add_done_callback(at(name + " released"))
+        for fut in (chunk, last):
+            with pytest.raises(KVTransferError):
+                fut.result(timeout=10)
+            fut.released.result(timeout=10)
+        read_end = 0.9 + READ_MARGIN_S - 0.05
+        assert events["chunk failed"] < 1.3 and events["last failed"] < events["chunk released"]
+        assert read_end <= events["chunk released"] <= events["last released"]
+    finally:
+        pair.close()
 
 
 def test_the_ack_frees_the_staging_slots_of_reads_not_reported_one_by_one():
@@ -582,7 +663,7 @@ def test_the_ack_frees_the_staging_slots_of_reads_not_reported_one_by_one():
     released: list[int] = []
     plane = types.SimpleNamespace(progress=None, pool=types.SimpleNamespace(release=released.append))
     session = nb.NixlSession(plane, types.SimpleNamespace(address="tcp://peer"))
-    session._pending = {7: 2, 8: -1}
+    session._pending = {7: nb._Offered(2, 0.0), 8: nb._Offered(-1, 0.0)}
     session.acked()
     assert released == [2] and session._pending == {}
     session._finish(time.monotonic() + 1)  # nothing left to wait for

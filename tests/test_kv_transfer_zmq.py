@@ -160,9 +160,9 @@ def test_runs_go_out_of_the_cache_in_place_and_land_in_their_blocks(in_place_pai
 
 
 def test_a_failed_in_place_send_ends_only_once_zmq_let_go_of_the_cache():
-    """A send whose peer never answers: the socket is closed, then the session waits until ZeroMQ
-    released every frame pointing into the cache before the send's future fails (the caller then
-    reuses the blocks)."""
+    """A send whose peer never answers fails at its timeout; the socket is closed, then the session
+    waits until ZeroMQ let go of every frame pointing into the cache before the send's blocks are
+    released (``KVSendFuture.released``: the caller reuses them then)."""
     sender = create_sender("zmq", options=[IN_PLACE])
     sender.register_kv_cache(torch.randn(L, NB, 2, BS, H, D))
     receiver = create_receiver("zmq")
@@ -173,14 +173,17 @@ def test_a_failed_in_place_send_ends_only_once_zmq_let_go_of_the_cache():
     session = sender._peers[address].session
     held: list = []
     close = session.close
-    session.close = lambda: (held.extend(session._trackers), close())  # what it held when it closed
+    session.close = lambda: (held.extend(session._trackers), close())[1]  # what it held when it closed
     table.add("r", [0, 1], time.time() + 10)
     receiver._stop.set()  # the decode node stops reading its socket: the ack never comes
     receiver._thread.join(timeout=5)
     fut = sender.send(address, info("p"), "r", [0, 1], [0, 1], KVCommit("r", 1), 0.5)
     with pytest.raises(KVTransferError, match="no reply"):
         fut.result(timeout=10)
-    assert len(held) == L and all(t.done for t in held)  # one run, a frame per layer: all let go
+    let_go: list[bool] = []
+    fut.released.add_done_callback(lambda _: let_go.append(all(t.done for t in held)))
+    assert fut.released.result(timeout=10) is None
+    assert len(held) == L and let_go == [True]  # one run, a frame per layer: all let go by then
     assert sender._peers[address].session is None
     sender.close()
     receiver.close()

@@ -1,18 +1,17 @@
 """The prefill service's shipments, driven without servers: blocks shipped from launched steps,
-the commit after the last one, the engine's pin until the send is over, a refused handshake
-remembered as ``KVHandshakeRefused``."""
+the commit after the last one, the engine's pin until the sender released the blocks, a refused
+handshake remembered as ``KVHandshakeRefused``."""
 
 from __future__ import annotations
 
 import time
 import types
-from concurrent.futures import Future
 
 import pytest
 
 from pdserve.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.kv_transfer import KVHandshakeRefused, KVTransferError
+from pdserve.kv_transfer import KVHandshakeRefused, KVSendFuture, KVTransferError
 from pdserve.messages import LandingDescriptor
 from pdserve.prefill_node.server import PrefillService, Shipment, Stage
 from pdserve.sampling_params import SamplingParams
@@ -20,15 +19,16 @@ from pdserve.sampling_params import SamplingParams
 
 class _Sender:
     def __init__(self) -> None:
-        self.sends: list[tuple[str, list[int], list[int], object, Future]] = []
+        self.sends: list[tuple[str, list[int], list[int], object, KVSendFuture]] = []
         self.handshakes: list[str] = []
         self.handshake_error: Exception | None = None
 
-    def send(self, address, info, request_id, src, dst, commit, timeout, layer_events=None) -> Future:
-        fut: Future = Future()
+    def send(self, address, info, request_id, src, dst, commit, timeout, layer_events=None) -> KVSendFuture:
+        fut = KVSendFuture()
         self.sends.append((request_id, list(src), list(dst), commit, fut))
         if commit is None:
             fut.set_result(None)
+            fut.released.set_result(None)
         return fut
 
     def close(self) -> None:
@@ -79,11 +79,16 @@ def test_a_chunked_prompt_ships_each_chunk_then_commits_and_is_released_after_th
     assert shipment.stage is Stage.SENDING and shipment.num_blocks_sent == 3
     engine.abort_request([rid])  # the proxy gave up: the pin keeps the blocks for the transport
     assert engine.held_block_ids(rid) == src
-    service.sender.sends[-1][4].set_result(None)
-    (release,) = commands
-    release(engine)
-    assert shipment.stage is Stage.DONE and engine.held_block_ids(rid) is None
+    fut = service.sender.sends[-1][4]
+    fut.set_result(None)
+    (finish,) = commands
+    finish(engine)
+    assert shipment.stage is Stage.DONE and engine.held_block_ids(rid) == src  # not released yet
     assert [(t.request_id, t.error) for t in service.state.transfers] == [(rid, "")]  # for the node
+    fut.released.set_result(None)
+    (_, unpin) = commands
+    unpin(engine)
+    assert engine.held_block_ids(rid) is None
     assert engine.num_free_blocks == 32
     engine.scheduler.check_integrity()
 
