@@ -205,8 +205,11 @@ def create_receiver(
     return ControlReceiver(planes, host, port, cluster_token)
 
 
-def create_sender(name: str, cluster_token: str = "", options: Sequence[object] = ()) -> KVSender:
+def create_sender(
+    name: str, cluster_token: str = "", options: Sequence[object] = (), connections: int = 1
+) -> KVSender:
     """A prefill-side sender offering ``name``'s transports in order (see ``transport_preferences``),
-    each configured by its options object in ``options`` (defaults for the others)."""
+    each configured by its options object in ``options`` (defaults for the others), over
+    ``connections`` connections to each peer (``ControlSender``)."""
     planes = [plugin.sender_plane(opts) for plugin, opts in _plugins(name, options)]
-    return ControlSender(planes, cluster_token)
+    return ControlSender(planes, cluster_token, connections)

@@ -1,8 +1,13 @@
 """The control host: the connection every KV transport speaks, over ZeroMQ, whatever plane moves
 the blocks.
 
-Wire protocol (DEALER on the prefill node -> ROUTER on the decode node, one DEALER per
-peer, multipart messages whose first frame is a msgpack message of ``kv_transfer.messages``):
+Wire protocol (DEALER on the prefill node -> ROUTER on the decode node, multipart messages whose
+first frame is a msgpack message of ``kv_transfer.messages``). A sender opens ``connections``
+DEALERs to each peer (one thread each, jobs in order): a request's sends all go over the one its
+id hashes to, so its chunks and commit stay in order while sends of different requests overlap
+rather than each waiting for the previous one's ack. Planes whose sessions must not run side by
+side (``SenderPlane.concurrent_sessions``: NCCL, whose kernels of two communicators on the same
+stream pair up in order) get one.
 
 1. ``[KVHandshake]`` -> ``[KVHandshakeReply]``: first, once per connection (cluster token,
    model, dtype, block size, layout, shapes). The receiver ignores anything else from a
@@ -45,6 +50,7 @@ import queue
 import threading
 import time
 import uuid
+import zlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -631,15 +637,26 @@ class ControlSender(KVSender):
     """Prefill side: the control protocol to each peer; the blocks move on ``planes``, which also
     give the order of preference offered at set-up."""
 
-    def __init__(self, planes: Sequence[SenderPlane], cluster_token: str = "") -> None:
+    ROUTED_MEMORY = 65536
+
+    def __init__(self, planes: Sequence[SenderPlane], cluster_token: str = "", connections: int = 1) -> None:
         assert planes, "a sender needs at least one plane"
+        if connections < 1:
+            raise ValueError(f"connections must be >= 1, got {connections}")
         self.cluster_token = cluster_token
+        self.connections = connections
         self.planes = {p.name: p for p in planes}
         self.transports = tuple(self.planes)
         self.name = self.transports[0]
         self.kv: torch.Tensor | None = None
         self._ctx = zmq.Context.instance()
         self._peers: dict[str, _Peer] = {}
+        """Each peer's first connection: handshakes, lease renewals, and every send until a plane that
+        lets sessions run side by side is agreed on it."""
+        self._more: dict[str, list[_Peer]] = {}  # each peer's other connections, opened on first use
+        self._routed: collections.OrderedDict[str, _Peer] = collections.OrderedDict()
+        """Requests sent in parts, until their commit: the connection their first part took (the
+        choice of connection changes once the first one agrees on a plane)."""
         self._lock = threading.Lock()
         self.bytes_sent = 0
 
@@ -651,12 +668,23 @@ class ControlSender(KVSender):
         for plane in self.planes.values():
             plane.register(kv_cache)
 
-    def _peer(self, address: str) -> _Peer:
+    def _peer(self, address: str, request_id: str = "") -> _Peer:
+        """The connection to ``address`` that carries ``request_id``'s sends (the first one for
+        anything else)."""
         with self._lock:
-            peer = self._peers.get(address)
-            if peer is None:
-                peer = self._peers[address] = _Peer(self, address)
-            return peer
+            first = self._peers.get(address)
+            if first is None:
+                first = self._peers[address] = _Peer(self, address)
+            plane = self.planes.get(first.transport)
+            if not request_id or self.connections == 1 or plane is None or not plane.concurrent_sessions:
+                return first
+            lane = zlib.crc32(request_id.encode()) % self.connections
+            if lane == 0:
+                return first
+            more = self._more.setdefault(address, [])
+            while len(more) < lane:
+                more.append(_Peer(self, address))
+            return more[lane - 1]
 
     def renew(self, address: str, info: NodeInfo, request_ids: Sequence[str]) -> None:
         job = _Job(info, "", None, [], None, 5.0, Future(), renew=KVRenew(list(request_ids)))
@@ -681,7 +709,15 @@ class ControlSender(KVSender):
         assert self.kv is not None, "register_kv_cache first"
         if len(src_block_ids) != len(dst_block_ids):
             raise KVTransferError(f"{len(src_block_ids)} source blocks for {len(dst_block_ids)} destinations")
-        peer = self._peer(address)
+        with self._lock:  # a request's later parts follow its first over the same connection
+            peer = self._routed.pop(request_id, None) if commit is not None else self._routed.get(request_id)
+        if peer is None:
+            peer = self._peer(address, request_id)
+            if commit is None:
+                with self._lock:
+                    self._routed[request_id] = peer
+                    while len(self._routed) > self.ROUTED_MEMORY:  # requests dropped before their commit
+                        self._routed.popitem(last=False)
         plane = self.planes.get(peer.transport)  # read once: the peer thread may change it
         if plane is not None:
             staged = plane.stage(self.kv, src_block_ids, dst_block_ids, layer_events)
@@ -694,7 +730,8 @@ class ControlSender(KVSender):
 
     def close(self) -> None:
         with self._lock:
-            peers, self._peers = list(self._peers.values()), {}
+            peers = [*self._peers.values(), *(p for more in self._more.values() for p in more)]
+            self._peers, self._more = {}, {}
         for peer in peers:
             peer.jobs.put(None)
         for peer in peers:

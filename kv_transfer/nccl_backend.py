@@ -501,6 +501,7 @@ class NcclReceiverPlane(ReceiverPlane):
 
 class NcclSenderPlane(SenderPlane):
     name = "nccl"
+    concurrent_sessions = False  # two communicators' kernels on one stream pair up in order
 
     def __init__(self, options: NcclOptions = NcclOptions()) -> None:
         self.options = options

@@ -131,6 +131,9 @@ class SenderPlane(ABC):
     """
 
     name: ClassVar[str]
+    concurrent_sessions: ClassVar[bool] = True
+    """Whether several sessions to one peer may move blocks at the same time (a sender opens
+    ``connections`` per peer where they may)."""
 
     @abstractmethod
     def register(self, kv: torch.Tensor) -> None: ...

@@ -66,6 +66,7 @@ class SimReceiverPlane(ZmqReceiverPlane):
 
 class SimSenderPlane(ZmqSenderPlane):
     name = "sim"
+    concurrent_sessions = False  # one modelled link per pair: its sends queue behind each other
 
     def __init__(self, options: SimOptions = SimOptions()) -> None:
         super().__init__()

@@ -244,6 +244,9 @@ class NodeConfig:
     comma-separated order of preference; each prefill-decode pair agrees on one at handshake."""
     kv_transfer_timeout_s: float = 30.0
     """Longest a prefill node waits for the decode node to ack a request's KV."""
+    kv_send_connections: int = 4
+    """KV connections a prefill node opens to each decode node (nixl and zmq; NCCL takes one): the
+    sends of different requests overlap instead of each waiting for the previous one's ack."""
     cluster_token: str = ""
     """Shared secret required on internal APIs and KV messages (default: $PDSERVE_CLUSTER_TOKEN);
     empty disables the check, which a node bound to a non-loopback address refuses (see below)."""
@@ -283,6 +286,8 @@ class NodeConfig:
             )
         if self.heartbeat_ttl_s <= 0:
             raise ValueError(f"heartbeat_ttl_s must be > 0, got {self.heartbeat_ttl_s}")
+        if self.kv_send_connections < 1:
+            raise ValueError(f"kv_send_connections must be >= 1, got {self.kv_send_connections}")
         if self.max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be >= 1, got {self.max_waiting_requests}")
         if self.shutdown_timeout_s < 0:

@@ -129,7 +129,10 @@ class PrefillService(NodeService):
 
     def start(self, transport: str) -> str:
         self.sender = kv_transfer.create_sender(
-            transport, cluster_token=self.state.node.cluster_token, options=self.state.kv_options
+            transport,
+            cluster_token=self.state.node.cluster_token,
+            options=self.state.kv_options,
+            connections=self.state.node.kv_send_connections,
         )
         self.sender.register_kv_cache(self.state.engine.kv_cache)
         self.state.engine.add_launch_listener(self._ship_launched)

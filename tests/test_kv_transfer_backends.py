@@ -129,6 +129,40 @@ def test_chunked_sends_then_commit(pair):
         assert torch.equal(r.dst[:, d], src[:, s])
 
 
+@pytest.mark.parametrize("name", BACKENDS)
+def test_sends_of_different_requests_spread_over_the_connections(name):
+    """With ``connections``, each request's parts (a chunk, then the rest with the commit) go over
+    one connection, different requests' over several where the plane lets sessions run side by
+    side (NCCL and the modelled sim link take one); everything lands where it was reserved, in
+    order, including a request whose first part left before the transport was agreed."""
+    src = torch.randn(L, NB, 2, BS, H, D)
+    r = Receiver(name)
+    sender = make_sender(name, src, connections=4)
+    try:
+        r.table.add("early", [0, 1], time.time() + 30)
+        first = sender.send(r.address, info("prefill-0"), "early", [0], [0], None, 5.0)  # before set-up
+        assert first.result() is None  # the transport is agreed now
+        rids = [f"req-{i}" for i in range(7)]
+        for i, rid in enumerate(rids):
+            r.table.add(rid, [2 + 2 * i, 3 + 2 * i], time.time() + 30)
+        parts = [
+            sender.send(r.address, info("prefill-0"), rid, [2 + 2 * i], [2 + 2 * i], None, 5.0)
+            for i, rid in enumerate(rids)
+        ]
+        acks = [_send(sender, r.address, rid, [3 + 2 * i], [3 + 2 * i]) for i, rid in enumerate(rids)]
+        acks.append(_send(sender, r.address, "early", [1], [1]))
+        assert all(p.result() is None for p in parts)
+        assert all(a.result().ok for a in acks)
+        assert torch.equal(r.dst[:, : 2 + 2 * len(rids)], src[:, : 2 + 2 * len(rids)])
+        assert sorted(c.request_id for c in r.commits) == sorted([*rids, "early"])
+        used = {id(sender._peer(r.address, rid)) for rid in rids}
+        assert len(used) == (1 if backend(name) in ("nccl", "sim") else 4)
+        assert not sender._routed  # every request sent in parts committed
+    finally:
+        sender.close()
+        r.close()
+
+
 @pytest.mark.parametrize(
     "field, value, match",
     [("block_size", 16, r"block_size: 4 .* vs 16"), ("model_id", "other", r"model_id: 'm' .* vs 'other'")],
