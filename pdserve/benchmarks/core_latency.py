@@ -9,10 +9,12 @@ do, at concurrency 1, on an idle core:
 - ``stats``: ``GetStats`` answered (one command, one reply: the bare round trip);
 - ``reserve``: ``Reserve`` of a prompt's KV blocks answered, then ended (``EndRequest``, no reply);
 - ``local``: a one-token request computed on the node: ``Reserve`` (local), ``StartLocal``, and its
-  final token event (one engine step of a simulated model: its modelled step time is in the figure).
+  final token event (the engine steps of a simulated model: their modelled time is in the figure);
+- ``offline`` (the anchor): the same request on an ``LLMEngine`` of the same model in this process,
+  stepped until it finishes: ``local`` minus ``offline`` is what the boundary costs a request.
 
-Reported: p50, p90 and mean of each, in microseconds. Writes JSON under docs/benchmarks/ with
-``--output``.
+Reported: p50, p90 and mean of each, in microseconds, and ``local`` against ``offline`` at p50.
+Writes JSON under docs/benchmarks/ with ``--output``.
 """
 
 from __future__ import annotations
@@ -56,6 +58,21 @@ class _Driver:
         node = NodeConfig(role=Role.BOTH, port=0, insecure_no_cluster_token=True)
         await self.core.start(engine, node, core_services)
 
+    def start_offline(self, model: str, threads: int) -> None:
+        from pdserve.config import EngineConfig
+        from pdserve.engine.llm_engine import LLMEngine
+
+        config = EngineConfig.from_kwargs(model=model, num_threads=threads, max_model_len=4096)
+        self.engine = LLMEngine(config)
+
+    async def offline(self, rid: str, prompt: list[int]) -> None:
+        from pdserve.sampling_params import SamplingParams
+
+        engine = self.engine
+        engine.add_request(rid, None, SamplingParams(max_tokens=1, temperature=0.0), prompt_token_ids=prompt)
+        while engine.has_work():
+            engine.step()
+
     async def stats(self, rid: str, prompt: list[int]) -> None:
         from pdserve.messages import GetStats
 
@@ -97,8 +114,14 @@ async def _measure(args) -> dict[str, list[float]]:
 
     driver = _Driver()
     await driver.start(args.model, args.threads)
+    driver.start_offline(args.model, args.threads)
     rng = random.Random(0)
-    kinds = {"stats": driver.stats, "reserve": driver.reserve, "local": driver.local}
+    kinds = {
+        "stats": driver.stats,
+        "reserve": driver.reserve,
+        "local": driver.local,
+        "offline": driver.offline,
+    }
     times: dict[str, list[float]] = {k: [] for k in kinds}
     try:
         for i in range(args.warmup + args.rounds):
@@ -137,6 +160,14 @@ def main(argv: list[str] | None = None) -> int:
     for name, row in rows.items():
         p50, p90, mean = row["p50_us"], row["p90_us"], row["mean_us"]
         print(f"{name:8s} p50 {p50:9.1f} us  p90 {p90:9.1f} us  mean {mean:9.1f} us")
+    boundary = {
+        "local_minus_offline_p50_us": rows["local"]["p50_us"] - rows["offline"]["p50_us"],
+        "local_over_offline_p50": rows["local"]["p50_us"] / rows["offline"]["p50_us"],
+    }
+    print(
+        f"the boundary costs a local one-token request {boundary['local_minus_offline_p50_us']:.1f} us p50 "
+        f"({boundary['local_over_offline_p50']:.3f}x offline)"
+    )
     if args.output:
         result = {
             "benchmark": "core_latency",
@@ -149,8 +180,10 @@ def main(argv: list[str] | None = None) -> int:
                 "platform": platform.platform(),
                 "python": platform.python_version(),
             },
+            "anchor": "the same one-token request on an in-process LLMEngine (offline), interleaved",
             "settings": vars(args),
             "figures": rows,
+            "boundary": boundary,
         }
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
