@@ -240,7 +240,8 @@ ToProxy = Welcome | Reply | Events | Ping | Pong
 
 
 class AddPrefill(Message):
-    """Node -> core: open a prefill's shipment and queue its prompt (hold its blocks for the send)."""
+    """Node -> core: handshake with the prompt's decode node unless done already (a refusal is
+    remembered), then open the prefill's shipment and queue its prompt (its blocks held for the send)."""
 
     msg: PrefillRequest
 
@@ -249,12 +250,6 @@ class ClosePrefill(Message):
     """Node -> core: the prefill's call handler returned; its lease is no longer renewed."""
 
     request_id: str
-
-
-class KVHandshakeCall(Message):
-    """Node -> core: handshake with a decode node's KV receiver once (a refusal is remembered)."""
-
-    address: str
 
 
 class Reserve(Message):
@@ -303,16 +298,7 @@ class CoreCall(Message):
 
     call_id: int
     body: (
-        AddPrefill
-        | ClosePrefill
-        | KVHandshakeCall
-        | Reserve
-        | StartLocal
-        | EndRequest
-        | GetStats
-        | IsIdle
-        | EndAll
-        | Shutdown
+        AddPrefill | ClosePrefill | Reserve | StartLocal | EndRequest | GetStats | IsIdle | EndAll | Shutdown
     )
 
 

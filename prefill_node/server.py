@@ -22,7 +22,7 @@ descriptor):
 ``PrefillService`` runs in the node's engine core process (``pdserve.node.engine_core``): the
 sender, the shipments and the lease renewals live beside the engine; the call handler
 (``add_prefill_calls``) runs in the node process and reaches it through typed commands
-(``KVHandshakeCall``, ``AddPrefill``, ``ClosePrefill``).
+(``AddPrefill``, which handshakes with the decode node first, and ``ClosePrefill``).
 
 Blocks are shipped from the engine step that computes them, right after its forward was
 launched (``LLMEngine.add_launch_listener``): on CUDA with one event per layer, so the
@@ -57,7 +57,6 @@ from pdserve.kv_transfer.messages import KVCommit
 from pdserve.messages import (
     AddPrefill,
     ClosePrefill,
-    KVHandshakeCall,
     LandingDescriptor,
     LogprobsMsg,
     PrefillRequest,
@@ -125,6 +124,7 @@ class PrefillService(NodeService):
         self._stop = threading.Event()
         self._renewer: threading.Thread | None = None
         self._handshakes: dict[str, Future] = {}  # engine loop only: decode KV address -> handshake
+        self._awaiting_handshake: set[str] = set()  # engine loop only: prompts added once it ends
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-handshake")
 
     def start(self, transport: str) -> str:
@@ -154,7 +154,6 @@ class PrefillService(NodeService):
 
     def commands(self) -> dict:
         return {
-            KVHandshakeCall: self._handshake_call,
             AddPrefill: self._add_call,
             ClosePrefill: lambda msg: self.close(msg.request_id),
         }
@@ -174,25 +173,47 @@ class PrefillService(NodeService):
             )
         return fut
 
-    def _handshake_call(self, call: KVHandshakeCall) -> Future:
-        answer: Future = Future()  # no body: the peer's info stays here
-
-        def done(f: Future) -> None:
-            exc = f.exception()
-            if exc is not None:
-                answer.set_exception(exc)
-            else:
-                answer.set_result(None)
-
-        self.handshake(call.address).add_done_callback(done)
+    def _add_call(self, call: AddPrefill) -> Future | None:
+        """The node's prefill: handshake with its decode node first (once per node; one call, not
+        two, so a prompt costs one round trip to the core), then open its shipment and queue it.
+        Answered at once when that decode node's handshake already succeeded, else when it ends;
+        a prompt ended (``forget``, ``close``) while it waits is not added."""
+        msg = call.msg
+        shaken = self.handshake(msg.landing.kv_address)
+        if shaken.done():
+            if shaken.exception() is not None:
+                raise shaken.exception()
+            self._open_and_add(msg)
+            return None
+        answer: Future = Future()
+        self._awaiting_handshake.add(msg.request_id)
+        shaken.add_done_callback(
+            lambda f: self.state.loop.submit(lambda engine: self._add_after_handshake(msg, f, answer))
+        )
         return answer
 
-    def _add_call(self, call: AddPrefill) -> None:
-        shipment = self.open(call.msg)  # its lease is renewed from now on
+    def _add_after_handshake(self, msg: PrefillRequest, shaken: Future, answer: Future) -> None:
+        rid = msg.request_id
+        if rid not in self._awaiting_handshake:  # its handler gave up (and ended it) meanwhile
+            why = f"prefill {rid!r} ended before its handshake did"
+            answer.set_exception(NodeRefused(499, why, "cancelled"))
+            return
+        self._awaiting_handshake.discard(rid)
         try:
-            self.add(self.state.engine, call.msg, shipment)
+            if shaken.exception() is not None:
+                raise shaken.exception()
+            self._open_and_add(msg)
+        except BaseException as exc:  # noqa: BLE001 - the answer carries it
+            answer.set_exception(exc)
+        else:
+            answer.set_result(None)
+
+    def _open_and_add(self, msg: PrefillRequest) -> None:
+        shipment = self.open(msg)  # its lease is renewed from now on
+        try:
+            self.add(self.state.engine, msg, shipment)
         except BaseException:
-            self.close(call.msg.request_id)
+            self.close(msg.request_id)
             raise
 
     def open(self, msg: PrefillRequest) -> Shipment:
@@ -209,6 +230,7 @@ class PrefillService(NodeService):
     def close(self, request_id: str) -> None:
         """The prompt's call handler is done with it: its lease is no longer renewed, and the
         outcome of a send still in flight has no one to go to."""
+        self._awaiting_handshake.discard(request_id)
         self.shipments.pop(request_id, None)
 
     def _renew_leases(self) -> None:
@@ -350,6 +372,7 @@ class PrefillService(NodeService):
         self.state.loop.submit(lambda engine: engine.unpin_held(request_id))
 
     def forget(self, request_id: str) -> None:
+        self._awaiting_handshake.discard(request_id)
         # Nothing more is shipped from its steps. A last send in flight keeps its blocks pinned
         # (``NodeState.end_request`` releases them right after this, the engine only at the unpin).
         shipment = self._prefilling(request_id)
@@ -400,23 +423,20 @@ def add_prefill_calls(channel: ChannelServer, state: NodeState) -> None:
             raise fail(msg, 500, error)  # a cluster bug, not the client's
         rid = msg.request_id
         async with state.admission(msg.deadline):  # raises NodeRefused: 429, 503 or 504
-            try:
-                await state.core.call(KVHandshakeCall(msg.landing.kv_address))
-            except CoreRefused as e:
-                if e.kind == "kv_transfer_error":
-                    raise fail(msg, 502, e.message) from None
-                raise
             if rid in state.transfers:
                 raise fail(msg, 400, f"duplicate request id {rid!r}")
             sub = state.subs.subscribe(rid)
             transfer = state.transfers[rid] = asyncio.get_running_loop().create_future()
             try:
-                await state.core.call(AddPrefill(msg))  # opens its shipment: the lease is renewed
+                # Handshakes with the decode node (once), then opens its shipment: the lease is renewed.
+                await state.core.call(AddPrefill(msg))
             except BaseException as exc:
                 _forget(rid, transfer)
                 if isinstance(exc, asyncio.CancelledError):  # the add may still run: undo it after
                     state.end_request(rid, "proxy gone")
                     state.core.send(ClosePrefill(rid))
+                if isinstance(exc, CoreRefused) and exc.kind == "kv_transfer_error":
+                    raise fail(msg, 502, exc.message) from None
                 if isinstance(exc, CoreRefused) and exc.kind == "value_error":
                     raise fail(msg, 400, exc.message) from None
                 raise

@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from pdserve.cluster import free_port
-from pdserve.messages import ReserveRequest, StreamRequest
+from pdserve.messages import LandingDescriptor, PrefillRequest, ReserveRequest, StreamRequest
 from pdserve.sampling_params import SamplingParams
 from tests import node_link
 
@@ -32,6 +32,7 @@ class _Node:
         self.log = log
         cmd = [sys.executable, "-m", "pdserve", "node", "--role", "both", "--port", str(self.port)]
         cmd += ["--model", "random:tiny", "--num-threads", "1", "--max-model-len", "4096"]
+        cmd += ["--kv-transfer-timeout-s", "2"]  # a handshake with nobody fails fast
         with open(log, "w") as f:
             self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -112,6 +113,25 @@ def test_the_engine_runs_in_a_child_process_and_serves_through_it(nodes):
     assert all(e.num_prompt_tokens == 30 for e in events)
     # Counters that live in the core reach the node's /metrics.
     assert _metric(node.url, "pdserve_prompt_tokens_computed_total") >= before + 30
+    assert _metric(node.url, "pdserve_kv_blocks_free") == _metric(node.url, "pdserve_kv_blocks_total")
+
+
+def test_a_prefill_whose_decode_node_never_answers_the_handshake_fails_and_leaves_nothing(nodes):
+    """The handshake runs inside the prefill's one call to the core (``AddPrefill``): a decode node
+    that never answers it fails the call with 502, each time, and nothing stays queued."""
+    node = nodes[0]
+    dead = f"tcp://127.0.0.1:{free_port()}"  # nothing listens there
+    with node_link.NodeLink(node.url) as link:
+        for rid in ("hs-1", "hs-2"):  # a failed handshake is tried again by the next prompt
+            landing = LandingDescriptor(rid, "decode-x", dead, [7], 16, time.time() + 30)
+            msg = PrefillRequest(rid, list(range(10, 26)), SamplingParams(max_tokens=4), landing)
+            started = time.monotonic()
+            reply = link.call(msg, timeout=30)
+            assert reply.status == 502 and reply.error_type == "prefill_failed", reply
+            assert time.monotonic() - started < 15
+        _reserve(link, "after-hs", 2)  # the node still serves
+        assert sum(len(e.token_ids) for e in link.stream("after-hs")) == 2
+    assert _metric(node.url, "pdserve_waiting_requests") == 0
     assert _metric(node.url, "pdserve_kv_blocks_free") == _metric(node.url, "pdserve_kv_blocks_total")
 
 

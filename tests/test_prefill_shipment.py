@@ -112,3 +112,41 @@ def test_a_refused_handshake_is_remembered_other_failures_are_retried(error, rem
         assert len(service.sender.handshakes) == (1 if remembered else 2)
     finally:
         service.stop()
+
+
+def test_a_prefill_handshakes_in_its_add_and_one_ended_meanwhile_is_not_added():
+    """``AddPrefill`` is one call to the core: the first prompt for a decode node waits in the core
+    for the handshake, the next ones are added at once; one closed meanwhile never runs."""
+    from pdserve.messages import AddPrefill, PrefillRequest
+
+    config = EngineConfig.from_kwargs(
+        model="random:tiny", num_kv_blocks=32, block_size=16, max_model_len=256, num_threads=1
+    )
+    engine = LLMEngine(config)
+    service, commands = _service(engine)
+    service.state.check_room = lambda: None
+    service.state.track_deadline = lambda rid, deadline: None
+    gate = Future()
+    service.sender.handshake = lambda address, info, timeout: gate.result(timeout=5)
+
+    def add(rid: str):
+        landing = LandingDescriptor(rid, "decode", "tcp://d", [1], 16, time.time() + 30)
+        msg = PrefillRequest(rid, list(range(5, 21)), SamplingParams(max_tokens=1), landing)
+        return service._add_call(AddPrefill(msg))
+
+    try:
+        first, second = add("a"), add("b")
+        assert isinstance(first, Future) and not first.done() and not engine.has_request("a")
+        service.close("b")  # its handler gave up before the handshake ended
+        gate.set_result(None)
+        deadline = time.monotonic() + 5
+        while len(commands) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        for command in commands:  # the engine loop runs what the handshake's end queued
+            command(engine)
+        assert first.result(timeout=0) is None and engine.has_request("a") and "a" in service.shipments
+        assert second.exception(timeout=0).status == 499
+        assert not engine.has_request("b") and "b" not in service.shipments
+        assert add("c") is None and engine.has_request("c")  # the handshake is done: added at once
+    finally:
+        service.stop()
