@@ -429,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
         proc = ctx.Process(target=_run_stand_in, args=(role, port, args.tokens, interval_s), daemon=True)
         proc.start()
         stand_ins.append(proc)
-    rows = []
+    rows: list[dict] = []
     try:
         time.sleep(1.0)
         prefill_url = f"127.0.0.1:{prefill_port}"
@@ -448,16 +448,28 @@ def main(argv: list[str] | None = None) -> int:
                     f"migrations {row['migrations']}",
                     flush=True,
                 )
+                if args.output:  # what is measured so far survives a run cut short
+                    _write(args.output, _result(args, argv, rows))
     finally:
         for proc in stand_ins:
             proc.terminate()
+    result = _result(args, argv, rows)
+    print(json.dumps({"peak_tok_s_by_workers": result["peak_tok_s_by_workers"]}))
+    if args.output:
+        _write(args.output, result)
+    return 0
+
+
+def _result(args: argparse.Namespace, argv: list[str] | None, rows: list[dict]) -> dict:
     one = {r["concurrency"]: r["output_tok_s"] for r in rows if r["workers"] == 1}
     for r in rows:
         r["workers_over_one"] = (
             r["output_tok_s"] / one[r["concurrency"]] if one.get(r["concurrency"]) else None
         )
-    peak = {w: max(r["output_tok_s"] for r in rows if r["workers"] == w) for w in workers}
-    result = {
+    peak = {
+        w: max(r["output_tok_s"] for r in rows if r["workers"] == w) for w in {r["workers"] for r in rows}
+    }
+    return {
         "benchmark": "proxy_alone",
         "date": time.strftime("%Y-%m-%d"),
         "command": " ".join(
@@ -474,11 +486,11 @@ def main(argv: list[str] | None = None) -> int:
         "peak_tok_s_by_workers": peak,
         "results": rows,
     }
-    print(json.dumps({"peak_tok_s_by_workers": peak}))
-    if args.output:
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
-    return 0
+
+
+def _write(path: str, result: dict) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":
