@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 import types
+from concurrent.futures import Future
 
 import pytest
 
