@@ -45,11 +45,11 @@ A shape larger than the smallest measured one of its kind starts its sweeps at t
 pair, so measure the smallest first; one call per line on 16 cores (docs/benchmarks/README.md):
 
     python -m pdserve.benchmarks.scale_out_sim --shapes 1P1D,2C \\
-        --output docs/benchmarks/scale_out_sim_h100host.json --budget-s 420
+        --output docs/benchmarks/scale_out_sim_gpuhost.json --budget-s 420
     python -m pdserve.benchmarks.scale_out_sim --shapes 8P8D \\
-        --output docs/benchmarks/scale_out_sim_h100host.json --budget-s 420
+        --output docs/benchmarks/scale_out_sim_gpuhost.json --budget-s 420
     python -m pdserve.benchmarks.scale_out_sim --plot-only \\
-        --output docs/benchmarks/scale_out_sim_h100host.json
+        --output docs/benchmarks/scale_out_sim_gpuhost.json
 
 A dry run at tiny scale (about 2 minutes a shape on 2 cores; the second run merges into the first's
 JSON and starts its sweeps at 1P1D's knees):
