@@ -114,13 +114,13 @@ def test_kept_alive_connection_carries_the_next_request():
             [(0.01, _completion("a")), (0.01, json.dumps({"error": {"message": "lease expired"}}))],
             "error event: lease expired",
         ),
-        ([(0.01, _completion("a")), (0.01, None)], "the server closed the connection mid-response"),
+        ([(0.01, _completion("a")), (0.01, None)], "mid-response"),  # a close or a reset
         ([(0.01, "{not json")], "bad event: '{not json'"),
     ],
 )
 def test_failures_end_the_request_with_a_message(events, error):
     (reply,), _ = asyncio.run(_run(lambda body, chat: events, RequestOptions(endpoint=COMPLETIONS)))
-    assert not reply.record.success and reply.record.error == error
+    assert not reply.record.success and error in reply.record.error
 
 
 def test_a_stream_silent_for_longer_than_the_read_timeout_fails():

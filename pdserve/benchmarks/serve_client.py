@@ -9,8 +9,6 @@ message; they never raise.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import time
 from dataclasses import dataclass, field
@@ -19,7 +17,7 @@ from typing import Any
 import msgspec
 
 from pdserve.benchmarks.serve_datasets import Message, render_prompt
-from pdserve.benchmarks.serve_http import Client, HttpError, Response
+from pdserve.benchmarks.serve_http import Client, HttpError
 from pdserve.benchmarks.serve_metrics import RequestRecord
 
 CHAT = "/v1/chat/completions"
@@ -201,32 +199,6 @@ class Reply:
     token_ids: tuple[int, ...] = ()
 
 
-async def _read_stream(s: _Stream, resp: Response, chat: bool) -> float | None:
-    """Feed the body to ``s``; returns when its end (``[DONE]``) arrived, None when the body ended
-    without one. The bytes after ``[DONE]`` (the body's end) are read within ``DRAIN_S`` so that
-    the connection can carry the next request."""
-    chunks = resp.chunks()
-    async for data, now in chunks:
-        if not s.feed(data, now, chat):
-            break
-    else:
-        if s.pending.startswith(b"data:"):  # a last event without its newline
-            s.event(s.pending[5:].strip(), chat)
-        return None
-    if not s.error:
-        with contextlib.suppress(HttpError, asyncio.TimeoutError):
-            await asyncio.wait_for(_drain(chunks), DRAIN_S)
-    return now
-
-
-async def _drain(chunks) -> None:
-    async for _ in chunks:
-        pass
-
-
-DRAIN_S = 1.0
-
-
 async def send(
     client: Client,
     opts: RequestOptions,
@@ -253,9 +225,12 @@ async def send(
                     detail = raw.decode(errors="replace")[:200]
                 s.error = f"HTTP {resp.status}: {detail}"
             else:
-                end = await _read_stream(s, resp, opts.chat)
+                chat = opts.chat
+                end = await resp.stream(lambda data, now: s.feed(data, now, chat))
+                if end is None and s.pending.startswith(b"data:"):  # a last event without its newline
+                    s.event(s.pending[5:].strip(), chat)
         finally:
-            resp.close()
+            resp.release()
     except HttpError as exc:
         s.error = str(exc)
     end = end or time.perf_counter()
