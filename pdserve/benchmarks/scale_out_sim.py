@@ -127,8 +127,10 @@ def default_proxy_workers(shape: Shape, cores: int, streams_per_worker: float = 
 
 CLIENT_TOK_S = 20_000.0
 """Output tok/s one load client (``pdserve bench serve``) streams per core of CPU on this study's
-workload: 37,000 measured by ``serve_client_cpu`` (27 us a token, start-up included, best of 3 on an
-idle 2-core box), halved for a host whose every core is busy with nodes and proxy workers."""
+workload: ~49,000 measured by ``serve_client_cpu`` (20 us a token, start-up included, best of 3 on a
+2-core box; 30 us through a simulated 1P1D's proxy), taken as 20,000 for a host whose every core is
+busy with nodes and proxy workers (the client before it cost 2-3x more per token on the 16-core GPU
+host than on that box)."""
 CLIENT_SHARE = 0.5
 """Share of a core a client is planned to use at the load it is offered: well below
 ``report.SATURATED``, so that no knee is the clients'."""
