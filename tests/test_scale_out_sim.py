@@ -10,7 +10,15 @@ from types import SimpleNamespace
 import pytest
 
 from pdserve.benchmarks import scale_out_sim_report as report
-from pdserve.benchmarks.scale_out_sim import Shape, default_proxy_workers, write_slice
+from pdserve.benchmarks.scale_out_sim import (
+    CLIENT_SHARE,
+    CLIENT_TOK_S,
+    Shape,
+    default_clients,
+    default_proxy_workers,
+    offered_tok_s,
+    write_slice,
+)
 
 
 def test_shapes():
@@ -65,6 +73,20 @@ def test_the_proxy_grows_with_the_decode_nodes_within_half_the_cores():
     assert default_proxy_workers(Shape.parse("16C"), 16) == 8  # half the cores
     assert default_proxy_workers(Shape.parse("8P8D"), 16, streams_per_worker=2) == 4
     assert default_proxy_workers(Shape.parse("8P8D"), 2) == 1
+
+
+def test_enough_load_clients_that_none_nears_saturation_within_a_quarter_of_the_cores():
+    assert (
+        offered_tok_s("shared-prefix", 10.0, ARGS) == 10 * 3 * 6 and offered_tok_s("fresh", 10.0, ARGS) == 60
+    )
+    per_client = CLIENT_TOK_S * CLIENT_SHARE
+    assert per_client / CLIENT_TOK_S < report.SATURATED
+    assert default_clients(0.0, 16) == 1 and default_clients(per_client, 16) == 1
+    assert default_clients(per_client * 1.01, 16) == 2
+    # 8P8D's expected knee (8 decode nodes of ~3,000 tok/s) gets clients none of which is near a core.
+    n = default_clients(8 * 3000.0, 16)
+    assert 8 * 3000.0 / n <= per_client and n <= 16 // 4
+    assert default_clients(1e9, 16) == 4 and default_clients(1e9, 2) == 1  # the host's cap
 
 
 def test_a_sweep_rises_until_a_rate_misses_then_bisects():

@@ -14,11 +14,12 @@ project's GPU benchmarks; so a 16-node cluster fits one CPU host. For each clust
    * ``fresh``: single prompts of ``--input-min``..``--input-max`` random tokens (requests/s);
    each rate offers its own prompts (its own slice, fresh prefixes), Poisson arrivals, for
    ``--duration-s``; the load comes from ``--clients`` ``pdserve bench serve`` processes at
-   rate / clients each, whose per-request records are merged. The rates rise until one misses the
-   SLOs, then ``--refine`` bisections close in on the **knee**: the highest rate at which >= 90 % of
-   requests meet TTFT <= ``--slo-ttft-ms`` and TPOT <= ``--slo-tpot-ms`` (DistServe's goodput rate).
-   A shape larger than the smallest of its kind also offers that one's knee rate per pair, so both
-   are measured at the same load per pair;
+   rate / clients each, whose per-request records are merged (by default as many as keep each
+   below half a core at the output tok/s the rate asks for: ``default_clients``). The rates rise
+   until one misses the SLOs, then ``--refine`` bisections close in on the **knee**: the highest
+   rate at which >= 90 % of requests meet TTFT <= ``--slo-ttft-ms`` and TPOT <= ``--slo-tpot-ms``
+   (DistServe's goodput rate). A shape larger than the smallest of its kind also offers that
+   one's knee rate per pair, so both are measured at the same load per pair;
 2. prefix-aware against round-robin routing: the shared-prefix workload at ``--routing-rate`` per
    pair through the cluster's proxy and through a second proxy with ``--routing round-robin`` over
    the same nodes, each on fresh prefixes; the prompt tokens the nodes computed
@@ -122,6 +123,32 @@ def default_proxy_workers(shape: Shape, cores: int, streams_per_worker: float = 
     and co-located), at most half the host's cores (the nodes and the load need the rest)."""
     streaming = shape.decode + shape.both
     return max(1, min(math.ceil(streaming / streams_per_worker), cores // 2))
+
+
+CLIENT_TOK_S = 20_000.0
+"""Output tok/s one load client (``pdserve bench serve``) streams per core of CPU on this study's
+workload: ~49,000 measured by ``serve_client_cpu`` (20 us a token, start-up included, best of 3 on a
+2-core box; 30 us through a simulated 1P1D's proxy), taken as 20,000 for a host whose every core is
+busy with nodes and proxy workers (the client before it cost 2-3x more per token on the 16-core GPU
+host than on that box)."""
+CLIENT_SHARE = 0.5
+"""Share of a core a client is planned to use at the load it is offered: well below
+``report.SATURATED``, so that no knee is the clients'."""
+
+
+def offered_tok_s(workload: str, rate: float, args) -> float:
+    """Output tok/s the workload asks for at ``rate`` (conversations/s of ``--turns`` answers, or
+    fresh requests/s of one), at the mean output length."""
+    answers = args.turns if workload == "shared-prefix" else 1
+    return rate * answers * (args.output_min + args.output_max) / 2
+
+
+def default_clients(tok_s: float, cores: int) -> int:
+    """Load clients for ``tok_s`` output tok/s: each at most ``CLIENT_SHARE`` of a core by
+    ``CLIENT_TOK_S``, and at most a quarter of the host's cores (the nodes and the proxy workers
+    need the rest); at least one."""
+    need = math.ceil(tok_s / (CLIENT_TOK_S * CLIENT_SHARE))
+    return max(1, min(need, cores // 4))
 
 
 # -- workloads -------------------------------------------------------------------------------
@@ -247,7 +274,7 @@ def offer(
 ) -> dict:
     """The workload at ``rate`` for ``duration_s`` from ``--clients`` bench processes; merged, with
     the CPU every part used meanwhile."""
-    clients = max(1, min(args.clients or math.ceil(shape.num_nodes / 4), 8))
+    clients = args.clients or default_clients(offered_tok_s(workload, rate, args), cpu_count())
     num = max(clients, round(rate * duration_s))
     procs = []
     outs = []
@@ -260,7 +287,9 @@ def offer(
     started = os.times()
     for k, out in enumerate(outs):
         share = num // clients + (k < num % clients)
-        cmd = [sys.executable, "-m", "pdserve", "bench", "serve", "--base-url", url]
+        # `pdserve bench serve` by its module: the `pdserve` command line imports torch (~1.5 s of CPU
+        # a client, counted in its share at every point) for benchmarks this one does not run.
+        cmd = [sys.executable, "-m", "pdserve.benchmarks.serve", "--base-url", url]
         cmd += [
             "--endpoint",
             "/v1/completions",
@@ -579,7 +608,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--slo-tpot-ms", type=float, default=50.0)
     p.add_argument("--vocab", type=int, default=32000, help="prompt token ids are drawn below this")
     p.add_argument(
-        "--clients", type=int, default=0, help="bench processes per load; 0: one per 4 nodes, at most 8"
+        "--clients",
+        type=int,
+        default=0,
+        help="bench processes per load; 0: enough that none uses more than half a core at the output "
+        "tok/s offered (CLIENT_TOK_S), at most a quarter of the cores",
     )
     p.add_argument(
         "--proxy-workers", type=int, default=0, help="0: grow with the shape (--streams-per-proxy-worker)"

@@ -29,7 +29,6 @@ import asyncio
 import dataclasses
 import datetime
 import json
-import logging
 import math
 import os
 import platform
@@ -39,10 +38,9 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-import httpx
-
 from pdserve.benchmarks import serve_datasets as datasets
 from pdserve.benchmarks.serve_client import CHAT, ENDPOINTS, RequestOptions
+from pdserve.benchmarks.serve_http import Client, HttpError
 from pdserve.benchmarks.serve_load import ARRIVALS, arrival_times, offer
 from pdserve.benchmarks.serve_metrics import DEFAULT_ATTAINMENT_TARGET, DEFAULT_PERCENTILES, SLO, summarize
 from pdserve.benchmarks.serve_report import (
@@ -193,9 +191,7 @@ def _base_url(url: str) -> str:
     return url[: -len("/v1")] if url.endswith("/v1") else url
 
 
-async def _wait_ready(
-    client: httpx.AsyncClient, base: str, headers: dict, timeout_s: float, model: str
-) -> str:
+async def _wait_ready(client: Client, headers: dict, timeout_s: float, model: str) -> str:
     """Poll the server until it answers; returns the model name to send.
 
     With ``--model`` given, ``/health`` is enough (``transformers serve`` lists only the HF hub
@@ -206,14 +202,14 @@ async def _wait_ready(
     path = "/health" if model else "/v1/models"
     while True:
         try:
-            resp = await client.get(f"{base}{path}", headers=headers)
-            if resp.status_code == 200:
-                return model or resp.json()["data"][0]["id"]
-            last = f"HTTP {resp.status_code}"
-        except (httpx.HTTPError, ValueError, KeyError, IndexError) as exc:
+            status, body = await client.get(path, headers)
+            if status == 200:
+                return model or json.loads(body)["data"][0]["id"]
+            last = f"HTTP {status}"
+        except (HttpError, ValueError, KeyError, IndexError, TypeError) as exc:
             last = f"{type(exc).__name__}: {exc}"
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{base}{path} did not answer in {timeout_s:g} s ({last})")
+            raise TimeoutError(f"{client.base}{path} did not answer in {timeout_s:g} s ({last})")
         await asyncio.sleep(0.5)
 
 
@@ -271,11 +267,10 @@ class Outcome:
 async def _bench(args: argparse.Namespace, plan: LoadPlan, dcfg: datasets.DatasetConfig) -> Outcome:
     base = _base_url(args.base_url)
     slo = SLO(args.slo_ttft_ms, args.slo_tpot_ms)
-    timeout = httpx.Timeout(args.request_timeout_s, connect=30.0)
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+    client = Client(base, read_timeout_s=args.request_timeout_s)
+    try:
         key_headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-        model = await _wait_ready(client, base, key_headers, args.ready_timeout_s, args.model)
+        model = await _wait_ready(client, key_headers, args.ready_timeout_s, args.model)
         opts = _request_options(args, model)
         tokenizer = await asyncio.to_thread(_load_tokenizer, args.tokenizer)
         count_prompt = _prompt_counter(tokenizer, opts.chat)
@@ -283,7 +278,7 @@ async def _bench(args: argparse.Namespace, plan: LoadPlan, dcfg: datasets.Datase
             # Prompts of their own, so that the measured runs find none of them in a prefix cache.
             warm = datasets.build_dataset(_run_dataset(dcfg, len(plan.rates)), tokenizer)
             warm = [datasets.Conversation(c.turns[:1], c.preamble) for c in warm[: plan.num_warmups]]
-            await offer(client, base, opts, warm, [0.0] * len(warm), plan.max_concurrency)
+            await offer(client, opts, warm, [0.0] * len(warm), plan.max_concurrency)
 
         runs = []
         for index, rate in enumerate(plan.rates):
@@ -295,7 +290,6 @@ async def _bench(args: argparse.Namespace, plan: LoadPlan, dcfg: datasets.Datase
             with _progress(num_requests, desc, args.disable_tqdm) as bar:
                 result = await offer(
                     client,
-                    base,
                     opts,
                     conversations,
                     starts,
@@ -306,6 +300,8 @@ async def _bench(args: argparse.Namespace, plan: LoadPlan, dcfg: datasets.Datase
             summary = summarize(result.records, result.duration_s, slo, args.percentiles, result.num_skipped)
             print_summary(f"{args.label or 'serve'} @ {desc} req/s", summary)
             runs.append(RateRun(rate, result, summary))
+    finally:
+        client.close()
     return Outcome(opts, slo, tuple(runs))
 
 
@@ -345,9 +341,18 @@ def _result_json(args: argparse.Namespace, plan: LoadPlan, dcfg, outcome: Outcom
     return result
 
 
+def _run_loop(main):
+    """``asyncio.run`` on uvloop where it is installed (as the proxy and uvicorn do): its loop and
+    socket reads cost a fraction of asyncio's, on every token the client reads."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    return uvloop.run(main)
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark described by ``args``; returns the exit status."""
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
     # Other processes skew the figures (CPU above all); a load near 0 means a clean run.
     load_at_start = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     try:
@@ -365,7 +370,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"pdserve bench serve: {exc}", file=sys.stderr)
         return 2
     try:
-        outcome = asyncio.run(_bench(args, plan, dcfg))
+        outcome = _run_loop(_bench(args, plan, dcfg))
     except (TimeoutError, ValueError) as exc:
         print(f"pdserve bench serve: {exc}", file=sys.stderr)
         return 2

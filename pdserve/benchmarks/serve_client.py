@@ -14,9 +14,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+import msgspec
 
 from pdserve.benchmarks.serve_datasets import Message, render_prompt
+from pdserve.benchmarks.serve_http import Client, HttpError
 from pdserve.benchmarks.serve_metrics import RequestRecord
 
 CHAT = "/v1/chat/completions"
@@ -67,6 +68,40 @@ class RequestOptions:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
 
+class _Delta(msgspec.Struct):
+    content: str | None = None
+    reasoning_content: str | None = None
+
+
+class _LogprobEntry(msgspec.Struct):
+    token: str = ""
+
+
+class _Logprobs(msgspec.Struct):
+    tokens: list[str] | None = None
+    """/v1/completions"""
+    content: list[_LogprobEntry] | None = None
+    """/v1/chat/completions"""
+
+
+class _Choice(msgspec.Struct):
+    text: str | None = None
+    delta: _Delta | None = None
+    logprobs: _Logprobs | None = None
+
+
+class _Chunk(msgspec.Struct):
+    """The fields of an SSE chunk the client reads; msgspec skips the rest without building them."""
+
+    choices: list[_Choice] | None = None
+    usage: dict[str, Any] | None = None
+    error: Any = msgspec.UNSET
+
+
+_decode_chunk = msgspec.json.Decoder(_Chunk).decode
+DONE = "[DONE]"
+
+
 @dataclass
 class _Stream:
     """Running state of one response stream."""
@@ -82,9 +117,10 @@ class _Stream:
     model without a tokenizer; vLLM with ``return_tokens_as_token_ids``)."""
     usage: dict[str, Any] | None = None
     error: str = ""
+    pending: bytes = b""
+    """An SSE line whose end has not arrived yet."""
 
-    def text_arrived(self, piece: str) -> None:
-        now = time.perf_counter()
+    def text_arrived(self, piece: str, now: float) -> None:
         if self.ttft is None:
             self.ttft = now - self.start
         else:
@@ -93,33 +129,47 @@ class _Stream:
         self.num_chunks += 1
         self.parts.append(piece)
 
-    def event(self, data: str, chat: bool) -> bool:
-        """Handle one SSE data payload; False at the end of the stream."""
-        if data == "[DONE]":
+    def feed(self, data: bytes, now: float, chat: bool) -> bool:
+        """Handle the body bytes of one socket read, all of which arrived at ``now`` (several events
+        in one read are one arrival: the gaps between them are 0, as the client saw them); False at
+        the end of the stream."""
+        lines = (self.pending + data if self.pending else data).split(b"\n")
+        self.pending = lines.pop()
+        for line in lines:
+            if line.startswith(b"data:") and not self.event(line[5:].strip(), chat, now):
+                return False
+        return True
+
+    def event(self, data: str | bytes, chat: bool, now: float | None = None) -> bool:
+        """Handle one SSE data payload (arrived at ``now``, default: this call); False at the end of
+        the stream."""
+        if data == b"[DONE]" or data == DONE:
             return False
         try:
-            chunk = json.loads(data)
-        except json.JSONDecodeError:
-            self.error = f"bad event: {data[:200]!r}"
+            chunk = _decode_chunk(data)
+        except msgspec.DecodeError:  # not JSON, or not an object of the fields above
+            text = data.decode(errors="replace") if isinstance(data, bytes) else data
+            self.error = f"bad event: {text[:200]!r}"
             return False
-        if "error" in chunk:
-            self.error = f"error event: {_message(chunk)}"
+        if chunk.error is not msgspec.UNSET:
+            self.error = f"error event: {_message(json.loads(data))}"
             return False
-        if chunk.get("usage"):
-            self.usage = chunk["usage"]
-        for choice in chunk.get("choices") or ():
+        if chunk.usage:
+            self.usage = chunk.usage
+        for choice in chunk.choices or ():
             if chat:
-                delta = choice.get("delta") or {}
-                piece = delta.get("content") or delta.get("reasoning_content") or ""
+                delta = choice.delta
+                piece = (delta.content or delta.reasoning_content or "") if delta is not None else ""
             else:
-                piece = choice.get("text") or ""
+                piece = choice.text or ""
             # A chunk that carries logprobs is a step even without text (a model without a
             # tokenizer, prompted with token ids and `"logprobs": 0` in --extra-body).
-            logprobs = choice.get("logprobs") or {}
-            tokens = logprobs.get("tokens") or [c.get("token", "") for c in logprobs.get("content") or ()]
-            self.token_ids.extend(_token_id(t) for t in tokens if t.startswith(TOKEN_ID_PREFIX))
+            lp = choice.logprobs
+            tokens = (lp.tokens or [c.token for c in lp.content or ()]) if lp is not None else ()
+            if tokens:
+                self.token_ids.extend(_token_id(t) for t in tokens if t.startswith(TOKEN_ID_PREFIX))
             if piece or tokens:
-                self.text_arrived(piece)
+                self.text_arrived(piece, time.perf_counter() if now is None else now)
         return True
 
 
@@ -150,8 +200,7 @@ class Reply:
 
 
 async def send(
-    client: httpx.AsyncClient,
-    base_url: str,
+    client: Client,
     opts: RequestOptions,
     messages: list[Message],
     max_tokens: int,
@@ -162,25 +211,29 @@ async def send(
 ) -> Reply:
     """Send one streaming request and time it; ``count_prompt(messages)`` counts input tokens
     when the server reports no usage."""
+    body = msgspec.json.encode(opts.body(messages, max_tokens))
     s = _Stream(time.perf_counter())
+    end = None
     try:
-        async with client.stream(
-            "POST", base_url + opts.endpoint, json=opts.body(messages, max_tokens), headers=opts.headers
-        ) as resp:
-            if resp.status_code != 200:
-                raw = await resp.aread()
+        resp = await client.request("POST", opts.endpoint, body, opts.headers)
+        try:
+            if resp.status != 200:
+                raw = await resp.read()
                 try:
                     detail = _message(json.loads(raw))
                 except ValueError:
                     detail = raw.decode(errors="replace")[:200]
-                s.error = f"HTTP {resp.status_code}: {detail}"
+                s.error = f"HTTP {resp.status}: {detail}"
             else:
-                async for line in resp.aiter_lines():
-                    if line.startswith("data:") and not s.event(line[5:].strip(), opts.chat):
-                        break
-    except httpx.HTTPError as exc:
-        s.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-    end = time.perf_counter()
+                chat = opts.chat
+                end = await resp.stream(lambda data, now: s.feed(data, now, chat))
+                if end is None and s.pending.startswith(b"data:"):  # a last event without its newline
+                    s.event(s.pending[5:].strip(), chat)
+        finally:
+            resp.release()
+    except HttpError as exc:
+        s.error = str(exc)
+    end = end or time.perf_counter()
     usage = s.usage or {}
     num_input = usage.get("prompt_tokens")
     if num_input is None and count_prompt is not None:

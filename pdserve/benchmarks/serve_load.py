@@ -17,10 +17,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import httpx
-
 from pdserve.benchmarks.serve_client import RequestOptions, send
 from pdserve.benchmarks.serve_datasets import Conversation, Message
+from pdserve.benchmarks.serve_http import Client
 from pdserve.benchmarks.serve_metrics import RequestRecord
 
 ARRIVALS = ("poisson", "constant")
@@ -51,8 +50,7 @@ class LoadResult:
 
 
 async def offer(
-    client: httpx.AsyncClient,
-    base_url: str,
+    client: Client,
     opts: RequestOptions,
     conversations: list[Conversation],
     starts: list[float],
@@ -75,7 +73,6 @@ async def offer(
             async with slots if slots is not None else contextlib.nullcontext():
                 reply = await send(
                     client,
-                    base_url,
                     opts,
                     history,
                     turn.output_len,

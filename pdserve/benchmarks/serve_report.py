@@ -37,7 +37,8 @@ def jsonable(obj):
 
 
 def record_json(r: RequestRecord, detailed: bool) -> dict:
-    out = {k: v for k, v in dataclasses.asdict(r).items() if k != "itl_s"}
+    # Field by field, not dataclasses.asdict: that deep-copies every ITL (one per token) to drop them.
+    out = {f.name: getattr(r, f.name) for f in dataclasses.fields(r) if f.name != "itl_s"}
     out["tpot_s"] = r.tpot_s
     if detailed:
         out["itl_s"] = list(r.itl_s)
