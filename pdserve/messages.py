@@ -348,8 +348,9 @@ class CoreReply(Message):
 
 
 class TransferDone(Message):
-    """Core -> node: a prefill's last KV send is over (``error`` empty: the decode node acked it
-    after ``seconds``)."""
+    """Core -> node: the outcome of a prefill's last KV send is known (``error`` empty: the decode
+    node acked it after ``seconds``). A failed send's blocks may stay pinned a while longer, until
+    no READ it offered can run (``KVSendFuture.released``)."""
 
     request_id: str
     error: str = ""
