@@ -136,6 +136,10 @@ def test_models_health_metrics(cluster):
     assert prefill["pdserve_prompt_tokens_computed_total"] > 0
     assert prefill["pdserve_kv_transfer_bytes_total"] == decode["pdserve_kv_transfer_bytes_total"] > 0
     assert prefill["pdserve_kv_transfer_seconds_count"] > 0
+    # The decode node's first tokens came after the prefill node's forward and the KV transfer.
+    assert decode["pdserve_node_time_to_first_token_seconds_count"] > 0
+    decode_ttft = decode["pdserve_node_time_to_first_token_seconds_sum"]
+    assert decode_ttft > prefill["pdserve_kv_transfer_seconds_sum"]
     assert decode["pdserve_kv_blocks_free"] == decode["pdserve_kv_blocks_total"]  # idle
     assert decode["pdserve_running_requests"] == decode["pdserve_waiting_requests"] == 0
     assert prefill["pdserve_prefix_cache_hit_tokens_total"] > 0  # the repeated system prompt

@@ -23,6 +23,7 @@ import multiprocessing
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -221,6 +222,8 @@ class Subscription:
     gets the events as they come (those that came before it first)."""
 
     def __init__(self) -> None:
+        self.created = time.monotonic()  # the request's arrival on the node, as far as it knows
+        self.got_token = False
         self.events: list[TokenEvent] = []
         self.finished = False  # the request's outputs ended (read or not)
         self.attached = False  # a reader took it (``Subscriptions.attach``)
@@ -267,8 +270,10 @@ class Subscriptions:
     UNREAD_FINAL_S = 60.0
     """How long a finished request's events wait for a reader that has not attached yet."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_first_token: Callable[[float], None] | None = None) -> None:
         self._subs: dict[str, Subscription] = {}
+        self.on_first_token = on_first_token
+        """Called with the seconds from a subscription to its request's first token event."""
 
     def subscribe(self, request_id: str) -> Subscription:
         """The subscription that will receive the request's events; before it can produce any."""
@@ -300,9 +305,15 @@ class Subscriptions:
 
     def deliver(self, outputs: StepOutputs) -> None:
         subs = self._subs
+        now = 0.0
         for event in outputs.events:
             sub = subs.get(event.request_id)
             if sub is not None:
+                if not sub.got_token and event.token_ids:
+                    sub.got_token = True
+                    if self.on_first_token is not None:
+                        now = now or time.monotonic()
+                        self.on_first_token(now - sub.created)
                 sub.deliver(event)
         for request_id in outputs.finished:
             sub = subs.get(request_id)

@@ -121,6 +121,13 @@ class NodeMetrics:
             "From a prefill's first token to the decode node's ack of its KV (what the transfer adds).",
             buckets=LATENCY_BUCKETS,
         )
+        self.first_token_seconds = r.histogram(
+            "pdserve_node_time_to_first_token_seconds",
+            "From a request's arrival on this node (its reserve, or its start on a co-located node) to "
+            "its first token event leaving for the proxy: queueing, prefill (here or on a prefill node) "
+            "and the KV transfer included.",
+            buckets=LATENCY_BUCKETS,
+        )
         self.prefill_seconds = r.histogram(
             "pdserve_prefill_seconds",
             "From a prompt's arrival on a prefill node to its first token, queueing included.",
@@ -178,7 +185,7 @@ class NodeState:
         self.info: NodeInfo | None = None
         self.load: NodeLoad | None = None  # the core's newest report
         self.metrics = NodeMetrics()
-        self.subs = Subscriptions()
+        self.subs = Subscriptions(self.metrics.first_token_seconds.observe)
         self.transfers: dict[str, asyncio.Future] = {}
         """Prefill request id -> the outcome of its last KV send (``TransferDone``)."""
         self.started = False
