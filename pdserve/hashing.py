@@ -15,6 +15,7 @@ any other language) agrees.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
 from collections.abc import Sequence
@@ -26,6 +27,7 @@ BlockHash = bytes
 _ROOT_TAG = b"pdserve/block-hash/v1\0"
 
 
+@functools.lru_cache(maxsize=16)
 def root_hash(namespace: str) -> BlockHash:
     return hashlib.sha256(_ROOT_TAG + namespace.encode("utf-8")).digest()
 

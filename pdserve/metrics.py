@@ -16,6 +16,7 @@ consistent snapshot per metric, not across metrics.
 
 from __future__ import annotations
 
+import bisect
 import math
 import re
 import threading
@@ -231,10 +232,9 @@ class _HistogramChild:
         self._sum = 0.0
 
     def observe(self, value: float) -> None:
-        # Linear scan: ~20 buckets, and most observations land in the first few.
-        i = 0
-        while value > self._upper_bounds[i] and i < len(self._upper_bounds) - 1:
-            i += 1
+        # The first bound >= value (its ``le`` bucket); the last bound is +Inf, and a NaN lands
+        # in the first bucket as every comparison with it is false.
+        i = min(bisect.bisect_left(self._upper_bounds, value), len(self._upper_bounds) - 1)
         with self._lock:
             self._counts[i] += 1
             self._sum += value

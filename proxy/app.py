@@ -90,19 +90,34 @@ async def until_disconnected(work: Awaitable[T], receive: Receive) -> T:
 
     Servers only report a disconnect to whoever awaits ``receive()``, and nobody does while
     a handler runs, so without this a vanished client would go unnoticed until the end.
+
+    ``work`` runs in the calling task and only the watch is a task of its own: when it ends (a
+    disconnect, or ``receive`` failing) it cancels the caller, whose ``work`` then unwinds.
     """
-    task = asyncio.ensure_future(work)
+    caller = asyncio.current_task()
+    state = {"active": True, "gone": False}
+
+    def on_watch_done(watch: asyncio.Task) -> None:
+        if not watch.cancelled():
+            watch.exception()  # retrieved: whatever ended the watch, the client is gone to us
+            if state["active"]:  # a callback scheduled as ``work`` ended must not cancel later work
+                state["gone"] = True
+                caller.cancel()
+
     watch = asyncio.ensure_future(_wait_disconnect(receive))
+    watch.add_done_callback(on_watch_done)
     try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        result = await work
+    except asyncio.CancelledError:
+        if state["gone"] and caller.uncancel() == 0:  # our own cancel, and no one else's
+            raise ClientGone() from None
+        raise
     finally:
+        state["active"] = False
         watch.cancel()
-        if not task.done():
-            task.cancel()
-        await asyncio.gather(watch, task, return_exceptions=True)
-    if task.cancelled():
-        raise ClientGone()
-    return task.result()
+    if state["gone"]:  # ``work`` took our cancel and finished all the same
+        caller.uncancel()
+    return result
 
 
 RAW_SEND = "pdserve.raw_send"
@@ -182,6 +197,8 @@ class ProxyMetrics:
             "Time between consecutive output tokens at the proxy.",
             buckets=LATENCY_BUCKETS,
         )
+        self.ttft_child = self.ttft.labels()  # unlabelled: the one child, looked up once
+        self.itl_child = self.itl.labels()
         self.e2e = registry.histogram(
             "pdserve_e2e_request_latency_seconds",
             "From the request's arrival to its end.",
@@ -220,16 +237,18 @@ class _Timing:
         metrics.running.inc()
 
     def event(self, event: TokenEvent) -> None:
+        """Called for every event of every request: the histograms' children are looked up once."""
         n = len(event.token_ids)
         if not n:
             return
         now = time.monotonic()
         if self.last_token is None:
-            self.m.ttft.observe(now - self.arrival)
+            self.m.ttft_child.observe(now - self.arrival)
         else:
             gap = (now - self.last_token) / n
+            itl = self.m.itl_child
             for _ in range(n):
-                self.m.itl.observe(gap)
+                itl.observe(gap)
         self.last_token = now
 
     def done(self, status: int, builder=None) -> None:

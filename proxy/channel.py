@@ -317,21 +317,25 @@ class NodeChannel:
 
     async def call(self, body: Message, timeout: float | None) -> Reply:
         """Send one call and wait for its reply (``timeout`` None: as long as the node is alive)."""
-        await self._ready(timeout or CONTROL_TIMEOUT_S)
+        if self._closed or not self._open.is_set() or self._refused is not None:
+            await self._ready(timeout or CONTROL_TIMEOUT_S)
         call_id = next(self._ids)
-        fut = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
         self._calls[call_id] = fut
         if not self._send(Call(call_id, body)):
             self._calls.pop(call_id, None)
             raise NodeError(self.url, f"no connection to {self.address}", connect_failed=True)
+        # The timeout is a timer on the reply's future, not asyncio.wait_for: on Python 3.11 that
+        # wraps the future in a task of its own, a cost every call would pay.
+        timer = None if timeout is None else loop.call_later(timeout, _time_out, fut)
         try:
-            if timeout is None:
-                reply = await fut
-            else:
-                reply = await asyncio.wait_for(fut, timeout)
-        except asyncio.TimeoutError:
+            reply = await fut
+        except _TimedOut:
             raise NodeError(self.url, f"ReadTimeout: no answer within {timeout:g} s") from None
         finally:
+            if timer is not None:
+                timer.cancel()
             self._calls.pop(call_id, None)
         if reply.status != 200:
             raise NodeError(
@@ -386,6 +390,15 @@ class NodeChannel:
                 del self._streams[rid]
             if not stream.finished:
                 self.abort_soon(rid)
+
+
+class _TimedOut(Exception):
+    """A call's reply did not come within its timeout."""
+
+
+def _time_out(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_exception(_TimedOut())
 
 
 def _body(url: str, reply: Reply, kind: type) -> Message:

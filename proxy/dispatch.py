@@ -229,6 +229,7 @@ class Generation:
         self._num_open = 0  # sequences of this attempt still streaming
         self._held: list[TokenEvent] | None = None  # events waiting for the prefill's prompt logprobs
         self._first = True  # the next event is the attempt's first
+        self._timed_out = False  # the deadline cancelled ``_task``
         self._task = asyncio.ensure_future(self._run())
 
     def _put(self, item: TokenEvent | ProxyError | None) -> None:
@@ -258,20 +259,32 @@ class Generation:
 
     # -- the protocol --------------------------------------------------------------------------
 
+    def _time_out(self) -> None:
+        """The deadline passed: cancel the protocol, whose cleanup runs, and answer 504."""
+        if not self._task.done():
+            self._timed_out = True
+            self._task.cancel()
+
     async def _run(self) -> None:
+        # The deadline is a timer that cancels this task, not asyncio.wait_for, which on Python 3.11
+        # runs the protocol in a second task: a cost every request would pay.
         timeout = max(0.0, self.deadline - time.monotonic())
+        timer = asyncio.get_running_loop().call_later(timeout, self._time_out)
         try:
-            await asyncio.wait_for(self._protocol(), timeout)
+            await self._protocol()
             self._put(None)
-        except asyncio.TimeoutError:
+        except asyncio.CancelledError:
+            if not self._timed_out:
+                raise
+            self._task.uncancel()
             self._put(ProxyError(504, f"the request did not finish within {timeout:.0f} s"))
         except ProxyError as exc:
             self._put(exc)
-        except asyncio.CancelledError:
-            raise
         except Exception as exc:  # a bug: tell the client, keep the server up
             logger.exception("request %s failed", self.request_id)
             self._put(ProxyError(500, f"internal error: {type(exc).__name__}: {exc}"))
+        finally:
+            timer.cancel()
 
     async def _protocol(self) -> None:
         while True:

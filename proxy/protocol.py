@@ -132,7 +132,10 @@ def find_surrogate(data: Any) -> tuple[str, str] | None:
                     return sub, found[1]
                 stack.append((sub, item))
         elif isinstance(value, list):
-            stack.extend((f"{path}[{i}]", item) for i, item in enumerate(value))
+            # Only what can hold text gets a path: a prompt of token ids costs one scan, no strings.
+            stack.extend(
+                (f"{path}[{i}]", item) for i, item in enumerate(value) if isinstance(item, (str, dict, list))
+            )
     return None
 
 

@@ -127,6 +127,20 @@ def _finish(event: TokenEvent) -> tuple[bytes, bytes]:
     return _json(event.finish_reason), _json(event.stop_reason)
 
 
+_OPEN_TAILS: dict[bytes, bytes] = {}  # template -> its end for an event that finishes nothing
+
+
+def _tail(template: bytes, event: TokenEvent) -> bytes:
+    """A chunk's end: ``template`` with the event's finish and stop reasons (JSON); every event
+    but a sequence's last has the same end, formatted once."""
+    if event.finish_reason is None and event.stop_reason is None:
+        tail = _OPEN_TAILS.get(template)
+        if tail is None:
+            tail = _OPEN_TAILS[template] = template % (b"null", b"null")
+        return tail
+    return template % _finish(event)
+
+
 def _clamp(logprob: float) -> float:
     return max(logprob, _MIN_LOGPROB)
 
@@ -354,7 +368,7 @@ class CompletionBuilder(_Builder):
             return None  # nothing new (as vLLM: a token that completes no character still streams)
         if logprobs is None:
             tail = b',"logprobs":null,"finish_reason":%b,"stop_reason":%b}],"system_fingerprint":null}\n\n'
-            return self._head + b'%d,"text":' % event.index + _json(text) + tail % _finish(event)
+            return self._head + b'%d,"text":' % event.index + _json(text) + _tail(tail, event)
         completion = CompletionChoice(
             index=event.index,
             text=text,
@@ -465,10 +479,7 @@ class ChatBuilder(_Builder):
         if logprobs is None:
             tail = b'},"logprobs":null,"finish_reason":%b,"stop_reason":%b}]}\n\n'
             return (
-                self._head
-                + b'%d,"delta":{"content":' % event.index
-                + _json(event.text)
-                + tail % _finish(event)
+                self._head + b'%d,"delta":{"content":' % event.index + _json(event.text) + _tail(tail, event)
             )
         chunk = ChatChunkChoice(
             index=event.index,
