@@ -77,8 +77,8 @@ class LoopLag:
             if not self.behind:
                 self._release()
 
-    def _release(self) -> None:
-        n = min(self.RELEASE_PER_TICK, max(1, len(self._waiters) // 4))
+    def _release(self, n: int = 0) -> None:
+        n = n or min(self.RELEASE_PER_TICK, max(1, len(self._waiters) // 4))
         while n and self._waiters:
             waiter = self._waiters.popleft()
             if not waiter.done():
@@ -87,9 +87,14 @@ class LoopLag:
 
     async def admit(self, timeout: float) -> bool:
         """True at once while the loop is on time and nobody waits before us; else wait our turn
-        for at most ``timeout`` seconds (False: the caller answers 429)."""
-        if not self.behind and not self._waiters:
-            return True
+        for at most ``timeout`` seconds (False: the caller answers 429). An arrival while the loop
+        is on time also lets the oldest waiter in, so that admission keeps pace with arrivals while
+        the backlog drains (the ticks alone let in at most ``RELEASE_PER_TICK`` per interval: 400
+        requests a second, 50 with four waiting, which capped a busy proxy below what it relays)."""
+        if not self.behind:
+            if not self._waiters:
+                return True
+            self._release(1)
         waiter = asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)
         try:

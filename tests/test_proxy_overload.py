@@ -46,3 +46,34 @@ def test_stop_lets_every_waiter_go_refused():
         assert await waiter is False
 
     asyncio.run(run())
+
+
+def test_arrivals_on_time_keep_admission_at_their_pace():
+    """While the loop is on time, each arrival lets the oldest waiter in (and queues behind the
+    rest): a backlog left by a stall does not cap admission at the ticks' release rate."""
+
+    async def run() -> None:
+        lag = LoopLag(limit_s=0.05)  # no monitor: only arrivals release
+        order: list[int] = []
+
+        async def request(i: int) -> None:
+            if await lag.admit(5.0):
+                order.append(i)
+
+        lag.lag = 1.0  # behind: the first ten park
+        parked = [asyncio.ensure_future(request(i)) for i in range(10)]
+        await asyncio.sleep(0)
+        assert lag.num_waiting == 10 and not order
+        lag.lag = 0.0  # on time again
+        for i in range(10, 30):  # each arrival lets one in, in order
+            asyncio.ensure_future(request(i))
+            await asyncio.sleep(0)
+            await asyncio.sleep(0)
+        for _ in range(5):  # the last one let in resumes
+            await asyncio.sleep(0)
+        assert order == list(range(20))
+        assert lag.num_waiting == 10
+        await lag.stop()
+        await asyncio.gather(*parked)
+
+    asyncio.run(run())
