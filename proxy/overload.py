@@ -13,6 +13,8 @@ as the loop catches up, or get a 429 with Retry-After once they have waited ``ad
 1,718 at 512, no migration. Admitted streams still run slower than the stand-ins offer once the
 worker's core is full (stream p50 1.8 s for 0.64 s of tokens at 64 streams): the loop is on time
 but has more tokens to relay than it can; that limit is the cost per token, not admission.
+Once the loop is on time again, every arrival also lets the oldest waiter in, so a backlog left by
+a stall never holds admission below the arrivals' pace (docs/benchmarks/proxy_alone_cpu.json).
 """
 
 from __future__ import annotations
