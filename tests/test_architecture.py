@@ -147,6 +147,8 @@ def test_proxy_app_does_not_import_torch():
     code = (
         "import sys\n"
         "import pdserve.proxy.app, pdserve.proxy.server, pdserve.messages\n"
+        "from pdserve.cli import build_parser\n"
+        "build_parser()  # what `pdserve proxy` and `pdserve bench serve` run first\n"
         "heavy = ('torch', 'pdserve.engine.llm_engine', 'pdserve.kv_transfer')\n"
         "heavy = [m for m in heavy if m in sys.modules]\n"
         "print(heavy)\n"

@@ -32,8 +32,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from pdserve.config import CacheConfig, parse_dtype
 
 DEFAULT_OUTPUT = "docs/benchmarks/offline_cpu.json"
@@ -106,6 +104,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> dict:
     """Run both sides, print a summary, write the JSON result and return it."""
+    import torch  # in the functions: `pdserve proxy` and `bench serve` build this parser without torch
+
     if args.skip_hf and args.skip_pdserve:
         raise ValueError("--skip-hf and --skip-pdserve leave nothing to measure")
     if args.skip_pdserve and not Path(args.model).is_dir():
@@ -253,6 +253,8 @@ def _hf_generate(model, cb_config, prompts: list[list[int]], max_tokens: int) ->
 
 
 def _bench_hf(model, cb_config, args, prompts, warmup_prompts) -> tuple[SideResult, list[list[int]], dict]:
+    import torch
+
     torch.manual_seed(args.seed)
     _hf_generate(model, cb_config, warmup_prompts, NUM_WARMUP_TOKENS)
     resolved = _resolved_hf_config(model)
@@ -287,6 +289,8 @@ def _resolved_hf_config(model) -> dict:
 def _make_prompts(args: argparse.Namespace, vocab_size: int) -> tuple[list[list[int]], list[list[int]]]:
     """Seeded random token ids in [100, vocab - 100), away from special tokens; warmup prompts are drawn
     after the timed ones so they share no prefix with them."""
+    import torch
+
     gen = torch.Generator().manual_seed(args.seed)
     num = args.num_prompts + NUM_WARMUP_PROMPTS
     # ids: [num, input_len]
@@ -301,6 +305,8 @@ def _auto_num_blocks(args: argparse.Namespace) -> int:
 
 
 def _timed(device: str, fn):
+    import torch
+
     sync = torch.cuda.synchronize if device.startswith("cuda") else lambda: None
     gc.collect()
     sync()
@@ -334,6 +340,8 @@ def _num_cores() -> int:
 
 
 def _device_description(device: str, threads: int) -> str:
+    import torch
+
     if device.startswith("cuda"):
         return f"{device}: {torch.cuda.get_device_name(torch.device(device))}, {threads} CPU threads"
     name = platform.processor() or "unknown"
@@ -350,6 +358,7 @@ def _device_description(device: str, threads: int) -> str:
 def _versions() -> dict:
     import importlib.metadata
 
+    import torch
     import transformers
 
     try:
