@@ -95,13 +95,14 @@ async def until_disconnected(work: Awaitable[T], receive: Receive) -> T:
     disconnect, or ``receive`` failing) it cancels the caller, whose ``work`` then unwinds.
     """
     caller = asyncio.current_task()
-    state = {"active": True, "gone": False}
+    active, gone = True, False
 
     def on_watch_done(watch: asyncio.Task) -> None:
+        nonlocal gone
         if not watch.cancelled():
             watch.exception()  # retrieved: whatever ended the watch, the client is gone to us
-            if state["active"]:  # a callback scheduled as ``work`` ended must not cancel later work
-                state["gone"] = True
+            if active:  # a callback scheduled as ``work`` ended must not cancel later work
+                gone = True
                 caller.cancel()
 
     watch = asyncio.ensure_future(_wait_disconnect(receive))
@@ -109,13 +110,13 @@ async def until_disconnected(work: Awaitable[T], receive: Receive) -> T:
     try:
         result = await work
     except asyncio.CancelledError:
-        if state["gone"] and caller.uncancel() == 0:  # our own cancel, and no one else's
+        if gone and caller.uncancel() == 0:  # our own cancel, and no one else's
             raise ClientGone() from None
         raise
     finally:
-        state["active"] = False
+        active = False
         watch.cancel()
-    if state["gone"]:  # ``work`` took our cancel and finished all the same
+    if gone:  # ``work`` took our cancel and finished all the same
         caller.uncancel()
     return result
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import logging
 import os
 import signal
@@ -223,20 +224,8 @@ class CoreState:
         self.end_request(msg.request_id, RequestStatus[msg.status], msg.message)
 
     def _stats_call(self, msg: GetStats) -> CoreStats:
-        load = self.engine.load()
-        return CoreStats(
-            num_running=load.num_running,
-            num_waiting=load.num_waiting,
-            num_waiting_for_kv=load.num_waiting_for_kv,
-            num_held=load.num_held,
-            num_free_blocks=load.num_free_blocks,
-            num_blocks=load.num_blocks,
-            num_pending_prompt_tokens=load.num_pending_prompt_tokens,
-            num_prompt_tokens_computed=load.num_prompt_tokens_computed,
-            num_prefix_hit_tokens=load.num_prefix_hit_tokens,
-            num_jit_compiles=load.num_jit_compiles,
-            transfer_bytes=self.transfer_bytes,
-        )
+        # CoreStats carries EngineLoad's fields (the wire type may not import the engine's).
+        return CoreStats(**dataclasses.asdict(self.engine.load()), transfer_bytes=self.transfer_bytes)
 
     def _shutdown_call(self, msg: Shutdown) -> None:
         self.loop.stop()
