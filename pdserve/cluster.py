@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdserve.config import ModelConfig, cpu_count
-from pdserve.utils import die_with_parent
+from pdserve.utils import die_with_parent, free_port
 
 
 @dataclass(frozen=True)
@@ -75,12 +75,6 @@ class _Child:
     url: str
     log: Path
     proc: subprocess.Popen = field(repr=False)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _healthy(url: str) -> bool:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import random
 import signal
+import socket
 import sys
 from pathlib import Path
 
@@ -40,3 +42,46 @@ def is_alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
         return False
+
+
+_EPHEMERAL_DEFAULT = (32768, 60999)
+_handed_out: set[int] = set()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range of ports for outgoing connections (Linux; the default elsewhere)."""
+    try:
+        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(lo), int(hi)
+    except (OSError, ValueError):
+        return _EPHEMERAL_DEFAULT
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on, for a server this process starts (or tells a child to start).
+
+    Chosen outside the kernel's ephemeral range: a port that ``bind(0)`` hands out is free only
+    until the next outgoing connection takes it as its local port, and a cluster with many nodes
+    opens many connections between choosing a server's port and that server binding it (seen as
+    "Address already in use" when a proxy started beside 16 simulated nodes). A port is not handed
+    out twice by one process, so the servers of one cluster never race each other for one either.
+    """
+    lo, hi = _ephemeral_range()
+    ranges = [r for r in ((10000, min(lo, 65536)), (max(hi + 1, 10000), 65536)) if r[1] - r[0] >= 1000]
+    for _ in range(200):
+        if not ranges:
+            break
+        a, b = random.choice(ranges)
+        port = random.randrange(a, b)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    with socket.socket() as s:  # a machine whose ports outside that range are all taken
+        s.bind((host, 0))
+        return s.getsockname()[1]

@@ -27,7 +27,9 @@ from pdserve.benchmarks.serve_metrics import (
     SLO,
     RequestRecord,
     Stats,
+    goodput_between,
     max_goodput_rate,
+    output_tok_s_between,
     percentile,
     summarize,
 )
@@ -51,6 +53,25 @@ def rec(
 
 
 # -- statistics ------------------------------------------------------------------------------
+
+
+def test_steady_throughput_counts_only_the_tokens_inside_the_window():
+    def at(start, ttft, e2e, out, error=""):
+        return dataclasses.replace(rec(ttft, e2e, out, error=error), start_s=start)
+
+    records = [
+        at(0.0, 1.0, 11.0, 11),  # first token at 1, then one a second up to 11
+        at(5.0, 0.5, 0.5, 1),  # a one-token answer at 5.5
+        at(2.0, 1.0, 3.0, 5, error="reset"),  # failed: none of its tokens count
+        at(20.0, 1.0, 2.0, 3),  # after the window
+    ]
+    # tokens at 2..6 of the first request (its ten later tokens spread over [1, 11]) and the answer
+    assert output_tok_s_between(records, 2.0, 6.0) == pytest.approx((4 + 1) / 4)
+    # the whole-run figure over [0, 22] counts the drain: 15 tokens in 22 s
+    assert summarize(records, 22.0).output_throughput == pytest.approx(15 / 22)
+    assert goodput_between(records, SLO(ttft_ms=800), 0.0, 10.0) == pytest.approx(1 / 10)
+    with pytest.raises(ValueError):
+        output_tok_s_between(records, 3.0, 3.0)
 
 
 @pytest.mark.parametrize("n", [1, 2, 7, 100])

@@ -57,8 +57,10 @@ def _point(rate, attainment, tok_s=0.0, pairs=1.0, failed=0):
         "rate": rate,
         "rate_per_pair": rate / pairs,
         "slo_attainment": attainment,
-        "output_tok_s": tok_s,
-        "goodput_req_s": rate * (attainment or 0),
+        "output_tok_s": tok_s * 0.7,  # the whole run's, drain included: not what the knee reports
+        "goodput_req_s": rate * (attainment or 0) * 0.7,
+        "steady_output_tok_s": tok_s,
+        "steady_goodput_req_s": rate * (attainment or 0),
         "failed": failed,
     }
 

@@ -34,7 +34,6 @@ import os
 import platform
 import shlex
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -42,7 +41,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from pdserve.utils import child_pids
+from pdserve.utils import child_pids, free_port
 
 GRACE_S = 5.0
 """After the measured window, how long a client waits for the streams it has open."""
@@ -275,12 +274,6 @@ def _run_client(
 # -- orchestration -------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _cpu_seconds(pids: list[int]) -> float:
     tick = os.sysconf("SC_CLK_TCK")
     total = 0.0
@@ -329,7 +322,7 @@ def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 300) -> N
 def run_point(args, prefill_url: str, decode_urls: list[str], workers: int, concurrency: int) -> dict:
     from pdserve.metrics import parse_text
 
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "pdserve", "proxy", "--port", str(port), "--model", "default"]
     cmd += ["--prefill-urls", prefill_url, "--decode-urls", ",".join(decode_urls), "--workers", str(workers)]
     cmd += ["--max-inflight-requests", "100000", "--routing", "least-loaded", *shlex.split(args.proxy_flags)]
@@ -423,8 +416,8 @@ def main(argv: list[str] | None = None) -> int:
     ctx = multiprocessing.get_context("spawn")
     interval_s = args.interval_ms / 1000
     stand_ins = []
-    prefill_port = _free_port()
-    decode_ports = [_free_port() for _ in range(args.decode_nodes)]
+    prefill_port = free_port()
+    decode_ports = [free_port() for _ in range(args.decode_nodes)]
     for role, port in [("prefill", prefill_port)] + [("decode", q) for q in decode_ports]:
         proc = ctx.Process(target=_run_stand_in, args=(role, port, args.tokens, interval_s), daemon=True)
         proc.start()

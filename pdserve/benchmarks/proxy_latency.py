@@ -39,7 +39,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from pdserve.benchmarks.proxy_alone import VOCAB, _free_port, _StandIn, _wait_healthy, serving_stack
+from pdserve.benchmarks.proxy_alone import VOCAB, _StandIn, _wait_healthy, serving_stack
+from pdserve.utils import free_port
 
 
 class _ImmediateStandIn(_StandIn):
@@ -191,14 +192,14 @@ async def _measure(args, direct: Direct, proxy: ThroughProxy) -> dict[str, list[
 
 def _with_stand_ins(args) -> tuple[dict[str, list[float]], str]:
     ctx = multiprocessing.get_context("spawn")
-    prefill_port, decode_port = _free_port(), _free_port()
+    prefill_port, decode_port = free_port(), free_port()
     nodes = [
         ctx.Process(target=_run_stand_in, args=(role, port), daemon=True)
         for role, port in (("prefill", prefill_port), ("decode", decode_port))
     ]
     for p in nodes:
         p.start()
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "pdserve", "proxy", "--port", str(port), "--model", "default"]
     cmd += ["--prefill-urls", f"127.0.0.1:{prefill_port}", "--decode-urls", f"127.0.0.1:{decode_port}"]
     proxy = subprocess.Popen(
@@ -216,7 +217,7 @@ def _with_stand_ins(args) -> tuple[dict[str, list[float]], str]:
 
 
 def _with_cluster(args) -> tuple[dict[str, list[float]], str]:
-    from pdserve.cluster import ClusterConfig, LocalCluster, free_port
+    from pdserve.cluster import ClusterConfig, LocalCluster
     from pdserve.config import ModelConfig
 
     cfg = ClusterConfig(

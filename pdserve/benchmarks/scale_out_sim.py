@@ -83,7 +83,7 @@ from pathlib import Path
 import httpx
 
 from pdserve.benchmarks import scale_out_sim_report as report
-from pdserve.benchmarks.serve_metrics import SLO, summarize
+from pdserve.benchmarks.serve_metrics import SLO, goodput_between, output_tok_s_between, summarize
 from pdserve.benchmarks.serve_report import record_from_json
 from pdserve.cluster import ClusterConfig, LocalCluster, free_port
 from pdserve.config import ModelConfig, cpu_count
@@ -259,6 +259,13 @@ def _prompt_tokens_computed(cluster: LocalCluster) -> float:
     return total
 
 
+STEADY_FROM = 0.25
+"""A point's steady-state figures (the study's output tok/s and goodput) count what happened from
+this share of its arrivals' period to that period's end: before, the batches fill; after, the last
+requests drain, and a run of a few seconds whose slowest request ends later (a larger shape: the
+slowest of more requests) would otherwise show less throughput at the same load per node."""
+
+
 def offer(
     cluster: LocalCluster,
     url: str,
@@ -316,7 +323,9 @@ def offer(
         (run,) = json.loads(out.read_text())["runs"]
         duration = max(duration, run["duration_s"])
         records += [record_from_json(r) for r in run["requests"]]
-    s = summarize(records, duration, SLO(args.slo_ttft_ms, args.slo_tpot_ms))
+    slo = SLO(args.slo_ttft_ms, args.slo_tpot_ms)
+    s = summarize(records, duration, slo)
+    window = (STEADY_FROM * num / rate, num / rate)  # the arrivals' period, less its ramp-up
     return {
         "rate": rate,
         "rate_per_pair": rate / shape.pairs,
@@ -327,6 +336,9 @@ def offer(
         "output_tok_s": s.output_throughput,
         "request_throughput": s.request_throughput,
         "goodput_req_s": s.request_goodput,
+        "steady_window_s": list(window),
+        "steady_output_tok_s": output_tok_s_between(records, *window),
+        "steady_goodput_req_s": goodput_between(records, slo, *window),
         "slo_attainment": s.slo_attainment,
         "ttft_p50_ms": s.ttft_ms.p(50),
         "ttft_p99_ms": s.ttft_ms.p(99),
@@ -428,7 +440,8 @@ def sweep(
         p, proxy = point, cpu["proxy"]
         print(
             f"  {shape.name} {workload} rate {rate:g} ({p['rate_per_pair']:g}/pair): attainment "
-            f"{p['slo_attainment'] or 0:.2f}, {p['output_tok_s']:.0f} output tok/s, {p['failed']} failed, "
+            f"{p['slo_attainment'] or 0:.2f}, {p['steady_output_tok_s']:.0f} output tok/s steady "
+            f"({p['output_tok_s']:.0f} over the whole run), {p['failed']} failed, "
             f"TTFT p50 {p['ttft_p50_ms'] or 0:.0f} ms, TPOT p50 {p['tpot_p50_ms'] or 0:.1f} ms; cores: "
             f"host {cpu['host_busy_cores']:.1f}/{cpu['host_cores']}, {roles}, proxy {proxy['total']:.2f} "
             f"(worker max {proxy['worker_max']:.2f}), clients {cpu['clients']['total']:.2f}; "

@@ -9,9 +9,9 @@ an earlier run; entries it does not touch stay. Runs merge only when the things 
 study agree (``STUDY_KEYS``: model, SLOs, workload shapes, node flags); rates, durations and proxy
 workers may differ and are recorded per entry.
 
-Layout (``schema`` 2)::
+Layout (``schema`` 3)::
 
-    {"benchmark": "scale_out_sim", "schema": 2, "study": {STUDY_KEYS...}, "slo": {...},
+    {"benchmark": "scale_out_sim", "schema": 3, "study": {STUDY_KEYS...}, "slo": {...},
      "runs": [{"date", "command", "device", "host", "cores", "cpu_model", "gpus", "status", ...}],
      "shapes": {"8P8D": {"nodes", "prefill", "decode", "both",
                          "shared-prefix": SWEEP, "fresh": SWEEP, "routing": ROUTING}},
@@ -20,6 +20,7 @@ Layout (``schema`` 2)::
     SWEEP = {"run": index into runs, "proxy_workers", "coarse_rates", "points": [POINT...],
              "complete": whether the sweep ended by its own rule}
     POINT = {"rate", "rate_per_pair", "slo_attainment", "output_tok_s", "goodput_req_s", "failed",
+             "steady_window_s", "steady_output_tok_s", "steady_goodput_req_s",
              "ttft_p50_ms", ..., "cpu": CPU, "elapsed_s"}
     CPU = {"host_busy_cores", "host_cores", "roles": {"prefill"|"decode"|"both": {"count", "total",
            "max", "mean"}}, "proxy": {"workers", "total", "worker_max", "worker_mean"},
@@ -27,7 +28,11 @@ Layout (``schema`` 2)::
 
 The **knee** of a sweep is DistServe's goodput rate: the highest offered rate at which
 ``ATTAINMENT_TARGET`` of the requests meet both SLOs; it is a lower bound (say so, and raise the
-rates) until a higher rate was measured and missed the target.
+rates) until a higher rate was measured and missed the target. Its output tok/s and goodput are the
+point's steady-state figures (``steady_*``: from a quarter into its arrivals' period to that
+period's end, ``serve_metrics.output_tok_s_between``); ``output_tok_s`` and ``goodput_req_s`` are
+the whole run's, drain included (schema 2 studies held only those: their scaling understated the
+larger shapes, whose drain is longer).
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ from pathlib import Path
 from pdserve.benchmarks.serve_metrics import max_goodput_rate
 from pdserve.benchmarks.serve_report import jsonable
 
-SCHEMA = 2
+SCHEMA = 3
 ATTAINMENT_TARGET = 0.9
 WORKLOADS = ("shared-prefix", "fresh")
 STUDY_KEYS = (
@@ -176,8 +181,8 @@ def knee(points: Sequence[dict], target: float = ATTAINMENT_TARGET) -> dict:
         "knee_rate_per_pair": at["rate_per_pair"] if at else None,
         "knee_is_lower_bound": rate is not None and not any(p["rate"] > rate for p in points),
         "knee_below_rates": bool(points) and rate is None,
-        "output_tok_s_at_knee": at["output_tok_s"] if at else 0.0,
-        "goodput_req_s_at_knee": (at["goodput_req_s"] or 0.0) if at else 0.0,
+        "output_tok_s_at_knee": at["steady_output_tok_s"] if at else 0.0,
+        "goodput_req_s_at_knee": at["steady_goodput_req_s"] if at else 0.0,
         "busiest_at_knee": busiest(at["cpu"]) if at and at.get("cpu") else None,
         "failed": sum(p["failed"] for p in points),
     }

@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,12 +28,7 @@ import urllib.request
 from pathlib import Path
 
 import pdserve
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from pdserve.utils import free_port
 
 
 def _wait(url: str, timeout_s: float = 30.0) -> None:
@@ -98,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="client-cpu-"))
     data = work / "shared.jsonl"
     write_slice(data, "shared-prefix", args.num_prompts, 2, random.Random(0), study_args([]))
-    port = _free_port()
+    port = free_port()
     here = str(Path(pdserve.__file__).resolve().parents[1])
     server = subprocess.Popen(
         [sys.executable, "-m", "pdserve.benchmarks.sse_stand_in", "--port", str(port)]

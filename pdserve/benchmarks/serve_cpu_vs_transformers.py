@@ -42,6 +42,7 @@ from pathlib import Path
 
 from pdserve.benchmarks.serve_metrics import max_goodput_rate
 from pdserve.benchmarks.serve_report import record_from_json
+from pdserve.utils import free_port
 
 DEFAULT_OUTPUT = "docs/benchmarks/serve_cpu_vs_transformers.json"
 
@@ -57,18 +58,12 @@ class Server:
     bench_flags: tuple[str, ...]
 
 
-def _free_port() -> int:
-    from pdserve.cluster import free_port
-
-    return free_port()
-
-
 def _servers(args: argparse.Namespace, model_dir: Path, log_dir: Path) -> list[Server]:
     cores = args.cores
     num_cores = len(cores.split(","))
     pin = ("taskset", "-c", cores)
     cache = ["--block-size", str(args.block_size), "--num-kv-blocks", str(args.num_kv_blocks)]
-    pd_port = _free_port()
+    pd_port = free_port()
     pdserve = Server(
         "pdserve",
         (
@@ -99,7 +94,7 @@ def _servers(args: argparse.Namespace, model_dir: Path, log_dir: Path) -> list[S
     generation_config = json.dumps({"eos_token_id": -1, "do_sample": False})
     baselines = []
     for threads in args.transformers_threads:
-        port = _free_port()
+        port = free_port()
         command = (
             *pin,
             sys.executable,

@@ -227,6 +227,36 @@ def summarize(
     )
 
 
+def output_tok_s_between(records: Sequence[RequestRecord], t0: float, t1: float) -> float:
+    """Output tokens a second that reached the client in ``[t0, t1]`` (seconds since the run
+    began): a request's first token at its TTFT, its others spread evenly from there to its end
+    (what TPOT assumes). At a steady load this is the serving rate, free of the ramp-up before the
+    batches fill and of the drain after the last arrival, which the whole run's throughput (tokens
+    over first send to last end) counts against any run whose slowest request ends later."""
+    if t1 <= t0:
+        raise ValueError(f"empty window [{t0}, {t1}]")
+    tokens = 0.0
+    for r in records:
+        if not r.success or r.ttft_s is None or r.num_output_tokens <= 0:
+            continue
+        first = r.start_s + r.ttft_s
+        end = r.start_s + r.e2e_s
+        tokens += t0 <= first <= t1
+        rest = r.num_output_tokens - 1
+        if rest and end > first:
+            tokens += rest * max(0.0, min(end, t1) - max(first, t0)) / (end - first)
+        elif rest:
+            tokens += rest * (t0 <= end <= t1)
+    return tokens / (t1 - t0)
+
+
+def goodput_between(records: Sequence[RequestRecord], slo: SLO, t0: float, t1: float) -> float:
+    """Requests a second sent in ``[t0, t1]`` that met ``slo``: the steady-state goodput."""
+    if t1 <= t0:
+        raise ValueError(f"empty window [{t0}, {t1}]")
+    return sum(t0 <= r.start_s <= t1 and slo.met(r) for r in records) / (t1 - t0)
+
+
 def max_goodput_rate(
     points: Sequence[tuple[float, float | None]], target: float = DEFAULT_ATTAINMENT_TARGET
 ) -> float | None:

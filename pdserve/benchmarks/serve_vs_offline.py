@@ -37,7 +37,6 @@ import multiprocessing
 import os
 import platform
 import shlex
-import socket
 import statistics
 import subprocess
 import sys
@@ -46,6 +45,7 @@ import urllib.request
 from pathlib import Path
 
 from pdserve.benchmarks.serve_metrics import means_since, seconds_totals
+from pdserve.utils import free_port
 
 DEFAULT_OUT = "docs/benchmarks/serve_vs_offline.json"
 VOCAB = 32000
@@ -133,12 +133,6 @@ def _offline(args: argparse.Namespace, out_path: str) -> None:
 
 
 # -- the serving path ---------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _client(
@@ -268,18 +262,18 @@ def _serve(args: argparse.Namespace, topology: str, prompts: list[list[int]], lo
     nodes: dict[str, str] = {}
     try:
         if topology == "colocated":
-            port = _free_port()
+            port = free_port()
             start("node", [*py, "node", "--role", "both", "--port", str(port), *engine])
             nodes["--both-urls"] = f"http://127.0.0.1:{port}"
         else:
             for role in ("prefill", "decode"):
-                port = _free_port()
+                port = free_port()
                 start(role, [*py, "node", "--role", role, "--port", str(port), *engine])
                 nodes[f"--{role}-urls"] = f"http://127.0.0.1:{port}"
                 _wait_ready(f"http://127.0.0.1:{port}/health", args.ready_timeout_s, procs)
         for url in nodes.values():
             _wait_ready(f"{url}/health", args.ready_timeout_s, procs)
-        proxy_port = _free_port()
+        proxy_port = free_port()
         node_args = [x for kv in nodes.items() for x in kv]
         proxy = [
             *py,
