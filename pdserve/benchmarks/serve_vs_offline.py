@@ -254,16 +254,31 @@ def _serve(args: argparse.Namespace, topology: str, prompts: list[list[int]], lo
         *shlex.split(args.node_flags),
     ]
     procs: list[subprocess.Popen] = []
+    logs: dict[str, Path] = {}
 
     def start(name: str, cmd: list[str]) -> None:
-        log = open(log_dir / f"{topology}-{name}.log", "w")  # noqa: SIM115 - closed with the process
+        logs[name] = log_dir / f"{topology}-{name}.log"
+        log = open(logs[name], "w")  # noqa: SIM115 - closed with the process
         procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+
+    def totals(name: str, url: str) -> dict[str, tuple[float, float]]:
+        """A server's histogram totals; if it is gone, which one, how it ended and its log's end."""
+        try:
+            return _seconds_totals(url)
+        except OSError as e:
+            ended = {n: p.poll() for n, p in zip(logs, procs)}
+            tails = "".join(
+                f"\n--- {n} (exit code {ended[n]}), last lines of {logs[n]}:\n{_tail(logs[n])}"
+                for n in logs
+                if ended[n] is not None or n == name
+            )
+            raise RuntimeError(f"{topology}: {name} at {url} did not answer /metrics ({e}){tails}") from None
 
     nodes: dict[str, str] = {}
     try:
         if topology == "colocated":
             port = free_port()
-            start("node", [*py, "node", "--role", "both", "--port", str(port), *engine])
+            start("both", [*py, "node", "--role", "both", "--port", str(port), *engine])
             nodes["--both-urls"] = f"http://127.0.0.1:{port}"
         else:
             for role in ("prefill", "decode"):
@@ -296,10 +311,10 @@ def _serve(args: argparse.Namespace, topology: str, prompts: list[list[int]], lo
         servers["proxy"] = f"http://127.0.0.1:{proxy_port}"
         runs = []
         for _ in range(args.repeats):
-            before = {name: _seconds_totals(url) for name, url in servers.items()}
+            before = {name: totals(name, url) for name, url in servers.items()}
             runs.append(_load(*load, prompts, args.concurrency, args.output_len, args.client_procs))
             runs[-1]["mean_seconds"] = {
-                name: means_since(before[name], _seconds_totals(url)) for name, url in servers.items()
+                name: means_since(before[name], totals(name, url)) for name, url in servers.items()
             }
         best = max(runs, key=lambda s: s["output_tok_s"])
         best["runs_tok_s"] = [r["output_tok_s"] for r in runs]
@@ -317,6 +332,13 @@ def _serve(args: argparse.Namespace, topology: str, prompts: list[list[int]], lo
                 p.wait(60)
             except subprocess.TimeoutExpired:
                 p.kill()
+
+
+def _tail(path: Path, lines: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError as e:
+        return f"(unreadable: {e})"
 
 
 def _seconds_totals(url: str) -> dict[str, tuple[float, float]]:
