@@ -434,6 +434,10 @@ class ControlReceiver(KVReceiver):
         return reply
 
 
+class _Expired(KVTransferError):
+    """A job whose deadline passed before its turn: it fails without touching the connection."""
+
+
 @dataclass
 class _Job:
     info: NodeInfo
@@ -441,7 +445,10 @@ class _Job:
     staged: Staged | None  # None for a bare handshake or a renewal
     dst_block_ids: list[int]
     commit: KVCommit | None  # None: more blocks follow later
-    timeout: float
+    deadline: float
+    """``time.monotonic()`` by which the job is done or failed, counted from when it was queued:
+    jobs queued behind others for a peer that died all fail by then, rather than each waiting out
+    its whole timeout in turn (which kept a dead decode node's pinned blocks for N x the timeout)."""
     future: Future  # a send's: a KVSendFuture, whose ``released`` the peer's thread resolves
     renew: KVRenew | None = None
 
@@ -507,6 +514,8 @@ class _Peer(ControlLink):
                 self._close_socket()
                 return
             try:
+                if time.monotonic() >= job.deadline:  # waited out its time behind earlier jobs
+                    raise _Expired(f"KV job for {self.address} timed out in the queue behind earlier ones")
                 result = self._do(job)
             except Exception as e:
                 # The request is never committed from here on.
@@ -519,7 +528,7 @@ class _Peer(ControlLink):
                 job.future.set_exception(e if isinstance(e, KVTransferError) else KVTransferError(str(e)))
                 # A refusal leaves the connection as it was (a new NCCL communicator costs a second
                 # on GPUs); a timeout or broken peer leaves it in an unknown state: start afresh.
-                if not isinstance(e, KVRefused):
+                if not isinstance(e, (KVRefused, _Expired)):
                     self._close_socket()
             else:
                 job.future.set_result(result)
@@ -587,7 +596,7 @@ class _Peer(ControlLink):
     def _do(self, job: _Job):
         if self.refused:
             raise KVHandshakeRefused(self.refused)
-        deadline = time.monotonic() + job.timeout
+        deadline = job.deadline
         self._waiting_for = ""
         if self.sock is None:
             self._connect()
@@ -687,12 +696,13 @@ class ControlSender(KVSender):
             return more[lane - 1]
 
     def renew(self, address: str, info: NodeInfo, request_ids: Sequence[str]) -> None:
-        job = _Job(info, "", None, [], None, 5.0, Future(), renew=KVRenew(list(request_ids)))
+        deadline = time.monotonic() + 5.0
+        job = _Job(info, "", None, [], None, deadline, Future(), renew=KVRenew(list(request_ids)))
         self._peer(address).jobs.put(job)
 
     def handshake(self, address: str, info: NodeInfo, timeout: float) -> NodeInfo:
         fut: Future = Future()
-        self._peer(address).jobs.put(_Job(info, "", None, [], None, timeout, fut))
+        self._peer(address).jobs.put(_Job(info, "", None, [], None, time.monotonic() + timeout, fut))
         return fut.result()
 
     def send(
@@ -725,7 +735,8 @@ class ControlSender(KVSender):
             staged = copy_to_cpu(self.kv, src_block_ids)
         self.bytes_sent += len(src_block_ids) * self._bytes_per_block
         fut = KVSendFuture()
-        peer.jobs.put(_Job(info, request_id, staged, list(dst_block_ids), commit, timeout, fut))
+        deadline = time.monotonic() + timeout
+        peer.jobs.put(_Job(info, request_id, staged, list(dst_block_ids), commit, deadline, fut))
         return fut
 
     def close(self) -> None:

@@ -280,6 +280,27 @@ def test_dead_address_times_out():
         sender.close()
 
 
+def test_sends_queued_for_a_dead_peer_all_fail_by_their_own_deadline():
+    """A send's deadline runs from when it was queued: a dead decode node's queue of sends (and
+    the prefill node's blocks they pin) is cleared one timeout after the last one was queued, not
+    after one timeout per send in turn."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    sender = make_sender("zmq", torch.zeros(L, NB, 2, BS, H, D), connections=1)
+    try:
+        start = time.monotonic()
+        sends = [_send(sender, f"tcp://127.0.0.1:{port}", f"r{i}", [0], [0], timeout=1.0) for i in range(4)]
+        for fut in sends:
+            with pytest.raises(KVTransferError):
+                fut.result(timeout=10)
+            fut.released.result(timeout=10)
+        assert time.monotonic() - start < 2.5  # one after the other: 4 s
+        assert "in the queue" in str(sends[-1].exception())
+    finally:
+        sender.close()
+
+
 # -- agreement on a transport ----------------------------------------------------------------------
 
 
