@@ -46,6 +46,7 @@ def is_alive(pid: int) -> bool:
 
 _EPHEMERAL_DEFAULT = (32768, 60999)
 _handed_out: set[int] = set()
+_ports = random.SystemRandom()  # not the global generator: processes that seed it alike would pick alike
 
 
 def _ephemeral_range() -> tuple[int, int]:
@@ -71,8 +72,8 @@ def free_port(host: str = "127.0.0.1") -> int:
     for _ in range(200):
         if not ranges:
             break
-        a, b = random.choice(ranges)
-        port = random.randrange(a, b)
+        a, b = _ports.choice(ranges)
+        port = _ports.randrange(a, b)
         if port in _handed_out:
             continue
         with socket.socket() as s:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 
+from pdserve import utils
 from pdserve.utils import _ephemeral_range, free_port
 
 
@@ -24,11 +25,11 @@ def test_a_taken_port_is_not_handed_out(monkeypatch):
         taken = held.getsockname()[1]
         # every random pick lands on the taken port first, then on a free one
         picks = iter([taken, taken, 0])
-        real = __import__("random").randrange
+        real = utils._ports.randrange
 
         def pick(a, b):
             p = next(picks, None)
             return p if p else real(a, b)
 
-        monkeypatch.setattr("pdserve.utils.random.randrange", pick)
+        monkeypatch.setattr(utils._ports, "randrange", pick)
         assert free_port() != taken
