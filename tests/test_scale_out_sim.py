@@ -17,6 +17,7 @@ from pdserve.benchmarks.scale_out_sim import (
     default_clients,
     default_proxy_workers,
     offered_tok_s,
+    parse_args,
     write_slice,
 )
 
@@ -141,7 +142,14 @@ def _shape(study, name, prefill, decode, both, points, routing=None):
         }
 
 
-STUDY = {k: 1 for k in report.STUDY_KEYS}
+STUDY = {**{k: 1 for k in report.STUDY_KEYS}, "model": "sim:llama-3-8b@h100"}
+
+
+def test_a_study_of_real_nodes_is_not_marked_simulated_and_takes_gpus():
+    assert report.new_study(STUDY)["simulated"]
+    assert not report.new_study({**STUDY, "model": "random:llama-3-8b"})["simulated"]
+    args = parse_args(["--model", "random:llama-3-8b", "--gpus", "0,1,2,3", "--shapes", "1P1D,2P2D,4C"])
+    assert args.gpus == "0,1,2,3" and [s.name for s in args.shape_list] == ["1P1D", "2P2D", "4C"]
 
 
 def test_scaling_against_the_smallest_shape_of_each_kind():

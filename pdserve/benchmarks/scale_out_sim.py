@@ -52,6 +52,17 @@ pair, so measure the smallest first; one call per line on 16 cores (docs/benchma
     python -m pdserve.benchmarks.scale_out_sim --plot-only \\
         --output docs/benchmarks/scale_out_sim_gpuhost.json
 
+**Real GPUs.** The same driver measures real nodes: ``--model random:llama-3-8b --gpus 0,1,2,3``
+gives each node a GPU in turn (1P1D takes the first two; 2P2D and 4C all four), with node flags of
+the caller's choosing (``--node-flags ""`` for the engine's defaults) and rates for real GPUs.
+Run the simulated study with the same shapes, flags and rates beside it, into another JSON, to see
+how far the model is from the hardware:
+
+    G="--shapes 1P1D,2P2D,4C --shared-rates 4,8,16,32 --fresh-rates 2,4,8,16 --node-flags ''"
+    python -m pdserve.benchmarks.scale_out_sim $G --model random:llama-3-8b --gpus 0,1,2,3 \
+        --output docs/benchmarks/scale_out_h200x4.json --budget-s 540
+    python -m pdserve.benchmarks.scale_out_sim $G --output docs/benchmarks/scale_out_h200x4_sim.json
+
 A dry run at tiny scale (about 2 minutes a shape on 2 cores; the second run merges into the first's
 JSON and starts its sweeps at 1P1D's knees):
 
@@ -525,6 +536,7 @@ def run_shape(study: Study, shape: Shape, todo: list[str], work: Path, args) -> 
         startup_timeout_s=300.0,
         log_dir=str(work / f"logs-{shape.name}"),
         extra_node_flags=args.node_flags,
+        gpus=args.gpus,
     )
     cluster = LocalCluster(cfg, ["--model", args.model], ModelConfig(args.model))
     rng = random.Random(f"{args.seed}-{shape.name}")
@@ -591,6 +603,12 @@ def _floats(text: str) -> list[float]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="sim:llama-3-8b@h100")
+    p.add_argument(
+        "--gpus",
+        default="",
+        help="GPUs the nodes take in turn (CUDA_VISIBLE_DEVICES each), for a real --model: 0,1,2,3 runs "
+        "1P1D on the first two and 2P2D or 4C on all four",
+    )
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--workloads", default=",".join(report.WORKLOADS))
     p.add_argument(

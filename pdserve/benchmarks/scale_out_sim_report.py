@@ -80,7 +80,7 @@ def new_study(study: dict) -> dict:
     return {
         "benchmark": "scale_out_sim",
         "schema": SCHEMA,
-        "simulated": True,
+        "simulated": study["model"].startswith("sim:"),
         "study": {k: study[k] for k in STUDY_KEYS},
         "slo": {
             "ttft_ms": study["slo_ttft_ms"],
@@ -423,7 +423,8 @@ def plot(study: dict, json_path: Path) -> list[str]:
                 ax.legend(fontsize=8)
         slo = study["slo"]
         fig.suptitle(
-            f"{study['study']['model']}, simulated nodes on {device}\nknee: highest rate with "
+            f"{study['study']['model']}, {'simulated nodes on ' if study.get('simulated', True) else ''}"
+            f"{device}\nknee: highest rate with "
             f">= {slo['attainment']:.0%} within TTFT {slo['ttft_ms']:g} ms and TPOT {slo['tpot_ms']:g} ms "
             "(dashed: linear from the smallest shape; hollow: knee not reached)",
             fontsize=9,
