@@ -53,7 +53,7 @@ import uuid
 import zlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import zmq
@@ -445,12 +445,17 @@ class _Job:
     staged: Staged | None  # None for a bare handshake or a renewal
     dst_block_ids: list[int]
     commit: KVCommit | None  # None: more blocks follow later
-    deadline: float
-    """``time.monotonic()`` by which the job is done or failed, counted from when it was queued:
-    jobs queued behind others for a peer that died all fail by then, rather than each waiting out
-    its whole timeout in turn (which kept a dead decode node's pinned blocks for N x the timeout)."""
+    timeout: float
     future: Future  # a send's: a KVSendFuture, whose ``released`` the peer's thread resolves
     renew: KVRenew | None = None
+    queued_at: float = field(default_factory=time.monotonic)
+
+    def deadline(self, started: float) -> float:
+        """When the job is done or failed. A send or handshake counts its timeout from when it was
+        queued: jobs queued behind others for a peer that died all fail by then, rather than each
+        waiting out its whole timeout in turn (which kept a dead decode node's pinned blocks for N x
+        the timeout). A lease renewal counts from its start: late is better than never."""
+        return (started if self.renew is not None else self.queued_at) + self.timeout
 
 
 class _Peer(ControlLink):
@@ -514,9 +519,10 @@ class _Peer(ControlLink):
                 self._close_socket()
                 return
             try:
-                if time.monotonic() >= job.deadline:  # waited out its time behind earlier jobs
+                started = time.monotonic()
+                if started >= job.deadline(started):  # waited out its time behind earlier jobs
                     raise _Expired(f"KV job for {self.address} timed out in the queue behind earlier ones")
-                result = self._do(job)
+                result = self._do(job, job.deadline(started))
             except Exception as e:
                 # The request is never committed from here on.
                 if job.request_id:
@@ -593,10 +599,9 @@ class _Peer(ControlLink):
         self.transport = chosen.transport
         self.peer_info = reply.info
 
-    def _do(self, job: _Job):
+    def _do(self, job: _Job, deadline: float):
         if self.refused:
             raise KVHandshakeRefused(self.refused)
-        deadline = job.deadline
         self._waiting_for = ""
         if self.sock is None:
             self._connect()
@@ -696,13 +701,12 @@ class ControlSender(KVSender):
             return more[lane - 1]
 
     def renew(self, address: str, info: NodeInfo, request_ids: Sequence[str]) -> None:
-        deadline = time.monotonic() + 5.0
-        job = _Job(info, "", None, [], None, deadline, Future(), renew=KVRenew(list(request_ids)))
+        job = _Job(info, "", None, [], None, 5.0, Future(), renew=KVRenew(list(request_ids)))
         self._peer(address).jobs.put(job)
 
     def handshake(self, address: str, info: NodeInfo, timeout: float) -> NodeInfo:
         fut: Future = Future()
-        self._peer(address).jobs.put(_Job(info, "", None, [], None, time.monotonic() + timeout, fut))
+        self._peer(address).jobs.put(_Job(info, "", None, [], None, timeout, fut))
         return fut.result()
 
     def send(
@@ -735,8 +739,7 @@ class ControlSender(KVSender):
             staged = copy_to_cpu(self.kv, src_block_ids)
         self.bytes_sent += len(src_block_ids) * self._bytes_per_block
         fut = KVSendFuture()
-        deadline = time.monotonic() + timeout
-        peer.jobs.put(_Job(info, request_id, staged, list(dst_block_ids), commit, deadline, fut))
+        peer.jobs.put(_Job(info, request_id, staged, list(dst_block_ids), commit, timeout, fut))
         return fut
 
     def close(self) -> None:

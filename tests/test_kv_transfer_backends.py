@@ -12,6 +12,7 @@ import socket
 import sys
 import threading
 import time
+from concurrent.futures import Future
 
 import msgspec
 import pytest
@@ -19,7 +20,8 @@ import torch
 
 from pdserve import kv_transfer
 from pdserve.kv_transfer import KVHandshakeRefused, KVRefused, KVTransferError, ReservationTable
-from pdserve.kv_transfer.messages import KVCommit, KVSetupReply
+from pdserve.kv_transfer.control import _Job
+from pdserve.kv_transfer.messages import KVCommit, KVRenew, KVSetupReply
 from pdserve.messages import NodeInfo
 
 L, NB, BS, H, D = 3, 16, 4, 2, 8
@@ -299,6 +301,13 @@ def test_sends_queued_for_a_dead_peer_all_fail_by_their_own_deadline():
         assert "in the queue" in str(sends[-1].exception())
     finally:
         sender.close()
+
+
+def test_a_lease_renewal_counts_its_timeout_from_its_start_not_its_queueing():
+    send = _Job(info("p"), "r", None, [1], None, 2.0, Future(), queued_at=10.0)
+    renewal = _Job(info("p"), "", None, [], None, 2.0, Future(), renew=KVRenew(["r"]), queued_at=10.0)
+    assert send.deadline(started=50.0) == 12.0  # expired in the queue: fails at once
+    assert renewal.deadline(started=50.0) == 52.0  # sent late rather than never
 
 
 # -- agreement on a transport ----------------------------------------------------------------------
