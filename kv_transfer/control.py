@@ -520,9 +520,10 @@ class _Peer(ControlLink):
                 return
             try:
                 started = time.monotonic()
-                if started >= job.deadline(started):  # waited out its time behind earlier jobs
+                deadline = job.deadline(started)
+                if started >= deadline:  # waited out its time behind earlier jobs
                     raise _Expired(f"KV job for {self.address} timed out in the queue behind earlier ones")
-                result = self._do(job, job.deadline(started))
+                result = self._do(job, deadline)
             except Exception as e:
                 # The request is never committed from here on.
                 if job.request_id:

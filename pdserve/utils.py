@@ -69,9 +69,7 @@ def free_port(host: str = "127.0.0.1") -> int:
     """
     lo, hi = _ephemeral_range()
     ranges = [r for r in ((10000, min(lo, 65536)), (max(hi + 1, 10000), 65536)) if r[1] - r[0] >= 1000]
-    for _ in range(200):
-        if not ranges:
-            break
+    for _ in range(200 if ranges else 0):
         a, b = _ports.choice(ranges)
         port = _ports.randrange(a, b)
         if port in _handed_out:
