@@ -110,9 +110,13 @@ def test_engine_runs_at_the_modelled_speed(sim_llm):
         assert all(len(o.outputs[0].token_ids) == entry["new_tokens"] for o in outs)
         tok_s = batch * (entry["new_tokens"] - 1) / (tn - t1)
         assert tok_s == pytest.approx(entry["pdserve_tok_s"], rel=0.10), batch
-    engine.reset_prefix_cache()
-    elapsed, _ = _run(sim_llm, [[500 + j % 900 for j in range(2048)]], 1)
-    assert 2048 / elapsed == pytest.approx(H100["prefill"]["pdserve_tok_s"], rel=0.10)
+    # One prefill is one modelled step (~60 ms): a load spike on a shared CI box shows in a single
+    # timing, so take the best of three, as gpu_engine does on the GPU.
+    timings = []
+    for _ in range(3):
+        engine.reset_prefix_cache()
+        timings.append(_run(sim_llm, [[500 + j % 900 for j in range(2048)]], 1)[0])
+    assert 2048 / min(timings) == pytest.approx(H100["prefill"]["pdserve_tok_s"], rel=0.10)
     engine.scheduler.check_integrity()
 
 
