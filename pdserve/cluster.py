@@ -85,11 +85,12 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def _tail(path: Path, n: int = 30) -> str:
+def log_tail(path: Path | str, lines: int = 30) -> str:
+    """The last ``lines`` lines of a child's log (why it died), or why they cannot be read."""
     try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
-    except OSError:
-        return ""
+        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
+    except OSError as e:
+        return f"(unreadable: {e})"
 
 
 class LocalRedis:
@@ -119,7 +120,8 @@ class LocalRedis:
         deadline = time.monotonic() + timeout_s
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"redis-server exited with code {self.proc.returncode}: {_tail(self.log)}")
+                code = self.proc.returncode
+                raise RuntimeError(f"redis-server exited with code {code}: {log_tail(self.log)}")
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=1) as conn:
                     conn.sendall(b"PING\r\n")
@@ -190,7 +192,7 @@ class LocalCluster:
                 if child.proc.poll() is not None:
                     raise RuntimeError(
                         f"{child.role} exited with code {child.proc.returncode}; its log ({child.log}):\n"
-                        f"{_tail(child.log)}"
+                        f"{log_tail(child.log)}"
                     )
                 if _healthy(child.url):
                     pending.remove(child)
@@ -303,7 +305,7 @@ class LocalCluster:
                 code = child.proc.poll()
                 if code is not None:
                     print(f"pdserve: {child.role} exited with code {code}; log: {child.log}", file=sys.stderr)
-                    print(_tail(child.log), file=sys.stderr)
+                    print(log_tail(child.log), file=sys.stderr)
                     return code or 1
             time.sleep(0.5)
 

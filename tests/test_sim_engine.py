@@ -96,27 +96,31 @@ def sim_llm():
 
 def test_engine_runs_at_the_modelled_speed(sim_llm):
     """The whole engine on the simulated H100, measured as gpu_engine measures the GPU: decode tok/s
-    as batch x (64 - 1) / (time of 64 new tokens - time of 1), prefill as 2048 / time."""
+    as batch x (64 - 1) / (time of 64 new tokens - time of 1), prefill as 2048 / time.
+
+    A load spike on a shared CI box shows in a single timing (a batch-64 decode once came out at
+    0.66 of the model), so each is the best of three, as gpu_engine times the GPU."""
     engine = sim_llm.engine
+
+    def best(prompts: list[list[int]], max_tokens: int) -> float:
+        timings = []
+        for _ in range(3):
+            engine.reset_prefix_cache()
+            seconds, outs = _run(sim_llm, prompts, max_tokens)
+            assert all(len(o.outputs[0].token_ids) == max_tokens for o in outs)
+            timings.append(seconds)
+        return min(timings)
+
     for entry in H100["decode"]:
         batch = entry["batch"]
         if batch not in (1, 32, 64):
             continue
         prompts = [[1000 + 7 * i + j % 500 for j in range(entry["prompt_len"])] for i in range(batch)]
-        engine.reset_prefix_cache()
-        t1, _ = _run(sim_llm, prompts, 1)
-        engine.reset_prefix_cache()
-        tn, outs = _run(sim_llm, prompts, entry["new_tokens"])
-        assert all(len(o.outputs[0].token_ids) == entry["new_tokens"] for o in outs)
+        t1, tn = best(prompts, 1), best(prompts, entry["new_tokens"])
         tok_s = batch * (entry["new_tokens"] - 1) / (tn - t1)
         assert tok_s == pytest.approx(entry["pdserve_tok_s"], rel=0.10), batch
-    # One prefill is one modelled step (~60 ms): a load spike on a shared CI box shows in a single
-    # timing, so take the best of three, as gpu_engine does on the GPU.
-    timings = []
-    for _ in range(3):
-        engine.reset_prefix_cache()
-        timings.append(_run(sim_llm, [[500 + j % 900 for j in range(2048)]], 1)[0])
-    assert 2048 / min(timings) == pytest.approx(H100["prefill"]["pdserve_tok_s"], rel=0.10)
+    prefill_s = best([[500 + j % 900 for j in range(2048)]], 1)
+    assert 2048 / prefill_s == pytest.approx(H100["prefill"]["pdserve_tok_s"], rel=0.10)
     engine.scheduler.check_integrity()
 
 

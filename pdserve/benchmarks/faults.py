@@ -35,6 +35,7 @@ from pathlib import Path
 
 import httpx
 
+from pdserve.cluster import log_tail
 from pdserve.messages import NodeLoad, decode
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -619,7 +620,7 @@ class FaultCluster:
     def crashed(self) -> list[str]:
         """Nodes and proxies that died on their own (a bug, or the OOM killer on a shared host)."""
         return [
-            f"{c.role} (exit code {c.proc.returncode}; log {c.log})"
+            f"{c.role} (exit code {c.proc.returncode}; log {c.log}, its end:\n{log_tail(c.log, 40)}\n)"
             for c in self.cluster.children
             if c.proc.poll() is not None and c.role not in self.ended
         ]

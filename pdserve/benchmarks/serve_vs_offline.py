@@ -45,6 +45,7 @@ import urllib.request
 from pathlib import Path
 
 from pdserve.benchmarks.serve_metrics import means_since, seconds_totals
+from pdserve.cluster import log_tail
 from pdserve.utils import free_port
 
 DEFAULT_OUT = "docs/benchmarks/serve_vs_offline.json"
@@ -268,7 +269,7 @@ def _serve(args: argparse.Namespace, topology: str, prompts: list[list[int]], lo
         except OSError as e:
             ended = {n: p.poll() for n, p in zip(logs, procs)}
             tails = "".join(
-                f"\n--- {n} (exit code {ended[n]}), last lines of {logs[n]}:\n{_tail(logs[n])}"
+                f"\n--- {n} (exit code {ended[n]}), last lines of {logs[n]}:\n{log_tail(logs[n], 40)}"
                 for n in logs
                 if ended[n] is not None or n == name
             )
@@ -332,13 +333,6 @@ def _serve(args: argparse.Namespace, topology: str, prompts: list[list[int]], lo
                 p.wait(60)
             except subprocess.TimeoutExpired:
                 p.kill()
-
-
-def _tail(path: Path, lines: int = 40) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError as e:
-        return f"(unreadable: {e})"
 
 
 def _seconds_totals(url: str) -> dict[str, tuple[float, float]]:
