@@ -210,6 +210,10 @@ class Reply(Message):
     error: str = ""
     error_type: str = ""
     retry_after: float | None = None
+    load: NodeLoad | None = None
+    """The node's load as of its last engine step, on every call's reply: each proxy worker
+    routes on what the node said at its last call there, not on a poll up to an interval old
+    (with several workers, each one's own in-flight counts miss the others' requests)."""
 
 
 class Events(Message):

@@ -39,6 +39,7 @@ from pdserve.messages import (
     Hello,
     LandingDescriptor,
     Message,
+    NodeLoad,
     Ping,
     Pong,
     PrefillRequest,
@@ -112,8 +113,10 @@ class NodeChannel:
         token: str,
         connect_timeout_s: float = 5.0,
         dead_after_s: float = 10.0,
+        on_load: Callable[[NodeLoad], None] | None = None,
     ) -> None:
         self.url = url  # the node's HTTP URL: its name in errors and logs
+        self.on_load = on_load  # the load each reply carries goes here (the router's view of the node)
         self.address = address
         self.token = token
         self.connect_timeout_s = connect_timeout_s
@@ -247,6 +250,8 @@ class NodeChannel:
                 self._changed.set()  # wake the waiters, who find ``_refused``
                 logger.error("%s refused the request channel: %s", self.url, msg.error)
                 return
+            if msg.load is not None and self.on_load is not None:
+                self.on_load(msg.load)
             fut = self._calls.pop(msg.call_id, None)
             if fut is not None and not fut.done():
                 fut.set_result(msg)

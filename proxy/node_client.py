@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import urllib.parse
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import suppress
 
 import httpx
@@ -106,6 +106,7 @@ class NodeClient:
         if cluster_token:
             self.headers["authorization"] = f"Bearer {cluster_token}"
         self.channel: NodeChannel | None = None
+        self.on_load: Callable[[NodeLoad], None] | None = None  # given each load a reply carries
 
     def __repr__(self) -> str:
         return f"NodeClient({self.url})"
@@ -116,7 +117,8 @@ class NodeClient:
         address = f"tcp://{host}:{info.channel_port}"
         if self.channel is not None and self.channel.address == address:
             return
-        old, self.channel = self.channel, NodeChannel(self.url, address, self.cluster_token)
+        old = self.channel
+        self.channel = NodeChannel(self.url, address, self.cluster_token, on_load=self.on_load)
         if old is not None:
             await old.close()
 

@@ -43,13 +43,18 @@ class NodeState:
     client: NodeClient
     info: NodeInfo | None = None
     load: NodeLoad | None = None
-    load_time: float = 0.0  # monotonic time of the last successful poll
+    load_time: float = 0.0  # monotonic time ``load`` was heard (a poll, or a reply on the channel)
     colocated: bool = False  # listed as a co-located (both) node: it serves whole requests
     num_inflight: int = 0  # this proxy's requests on the node now
     inflight_prefill_tokens: int = 0  # uncached prompt tokens of this proxy's prefills on it now
     up: bool = False
     incompatible: str = ""  # why the node is kept out of routing, if it is
     last_error: str = ""
+
+    def heard_load(self, load: NodeLoad) -> None:
+        """The node's load as its reply to a call said (fresher than the last poll)."""
+        self.load = load
+        self.load_time = time.monotonic()
 
     @property
     def available(self) -> bool:
@@ -215,7 +220,9 @@ class Router:
         # connection, whenever a request takes or gives back a connection, so one pool shared by every
         # node cost each call in proportion to the cluster's connections (9 % of a busy proxy's time).
         def state(url: str, role: Role, colocated: bool = False) -> NodeState:
-            return NodeState(url, role, NodeClient(url, http(), cluster_token), colocated=colocated)
+            node = NodeState(url, role, NodeClient(url, http(), cluster_token), colocated=colocated)
+            node.client.on_load = node.heard_load
+            return node
 
         self.prefill = [state(u, Role.PREFILL) for u in prefill_urls]
         self.decode = [state(u, Role.DECODE) for u in decode_urls]

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import pytest
 
-from pdserve.messages import NodeInfo, NodeLoad
+from pdserve.messages import NodeInfo, NodeLoad, Reply, encode
 from pdserve.proxy.router import (
     ClusterError,
     LeastLoaded,
@@ -175,3 +177,25 @@ def test_transports_must_overlap_not_match():
     assert mismatches(a, info("decode", kv_transports=["nccl"])) == [
         ("kv_transports", ["nixl", "zmq"], ["nccl"])
     ]
+
+
+def test_the_load_a_reply_carries_is_the_router_s_view_of_the_node_at_once():
+    """With several proxy workers each one's in-flight counts miss the others' requests: the load
+    the node sends with every reply replaces the poll's, which may be an interval old."""
+    r = router([info("prefill")], [info("decode")])
+    node = r.decode[0]
+
+    async def main() -> None:
+        await node.client.use_info(node.info)
+        channel = node.client.channel
+        fut = asyncio.get_running_loop().create_future()
+        channel._calls[7] = fut
+        channel._receive(encode(Reply(7, load=NodeLoad(3, 2, 1, 10, 100, 480))))
+        assert fut.done() and fut.result().status == 200
+        channel._receive(encode(Reply(8, 429, error="full")))  # no load said: the view stays
+        await node.client.close()
+
+    node.num_inflight = 1
+    asyncio.run(main())
+    assert node.load == NodeLoad(3, 2, 1, 10, 100, 480)
+    assert node.load_score == 6 and node.queued_prefill_tokens == 480 and node.free_block_fraction == 0.1

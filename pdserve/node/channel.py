@@ -37,6 +37,7 @@ from pdserve.messages import (
     Events,
     Hello,
     Message,
+    NodeLoad,
     Ping,
     Pong,
     Reply,
@@ -95,8 +96,10 @@ class ChannelServer:
         token: str,
         on_streams_lost: Callable[[Peer, list[str]], None],
         peer_timeout_s: float = 10.0,
+        load: Callable[[], NodeLoad | None] = lambda: None,
     ) -> None:
         self.token = token
+        self.load = load  # the node's newest load, sent with every call's reply
         self.node_id = ""  # said in every Welcome; set once the node knows its id
         self.on_streams_lost = on_streams_lost
         self.peer_timeout_s = peer_timeout_s
@@ -193,9 +196,11 @@ class ChannelServer:
         else:
             try:
                 body = await handler(peer, call.body)
-                reply = Reply(call.call_id, body=body)
+                reply = Reply(call.call_id, body=body, load=self.load())
             except CallRefused as exc:
-                reply = Reply(call.call_id, exc.status, None, exc.message, exc.kind, exc.retry_after)
+                reply = Reply(
+                    call.call_id, exc.status, None, exc.message, exc.kind, exc.retry_after, self.load()
+                )
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # a bug: answer, keep serving

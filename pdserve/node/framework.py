@@ -197,7 +197,7 @@ class NodeState:
     async def start(self) -> None:
         node = self.node
         channel = self.channel = ChannelServer(
-            node.host, node.channel_port, node.cluster_token, self._streams_lost
+            node.host, node.channel_port, node.cluster_token, self._streams_lost, load=lambda: self.load
         )
         node = self.node = dataclasses.replace(node, channel_port=channel.port)
         core = self.core = CoreClient(self._on_outputs, self._core_died)
