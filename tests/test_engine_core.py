@@ -13,6 +13,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -116,6 +117,27 @@ def test_the_engine_runs_in_a_child_process_and_serves_through_it(nodes):
     assert _metric(node.url, "pdserve_kv_blocks_free") == _metric(node.url, "pdserve_kv_blocks_total")
 
 
+def test_every_reply_carries_the_node_s_load(nodes):
+    """The node's load as of its last step rides on each call's reply (the proxy routes on it)."""
+    node = nodes[0]
+    params = SamplingParams(max_tokens=4000, temperature=0.0, ignore_eos=True)
+    with node_link.NodeLink(node.url) as link:
+        _reserve(link, "busy", 4000)
+        assert link.reply(link.start(StreamRequest("busy"))).status == 200  # it runs once its stream opened
+        give_up = time.monotonic() + 30
+        while True:  # a reply after the engine stepped with "busy" counts it
+            reply = link.call(ReserveRequest("probe", list(range(10, 40)), params, 30.0, local_prefill=True))
+            assert reply.status == 200 and reply.load is not None, reply
+            link.abort("probe")
+            if reply.load.running >= 1:
+                break
+            assert time.monotonic() < give_up, reply.load
+        assert reply.load.total_blocks > reply.load.free_blocks
+        refused = link.call(ReserveRequest("busy", list(range(10, 40)), params, 30.0, local_prefill=True))
+        assert refused.status != 200 and refused.load is not None, refused  # refusals say it too
+        link.abort("busy")
+
+
 def test_a_prefill_whose_decode_node_never_answers_the_handshake_fails_and_leaves_nothing(nodes):
     """The handshake runs inside the prefill's one call to the core (``AddPrefill``): a decode node
     that never answers it fails the call with 502, each time, and nothing stays queued."""
@@ -155,13 +177,24 @@ def test_a_node_whose_core_dies_exits_and_its_streams_see_it_go(nodes):
         httpx.get(f"{node.url}/health", timeout=2)
 
 
+def _core_sockets(node_pid: int) -> list[str]:
+    """The node's sockets to its core: abstract ipc names, listed in /proc/net/unix while open."""
+    name = f"@pdserve-core-{node_pid}-"
+    return [line for line in Path("/proc/net/unix").read_text().splitlines() if name in line]
+
+
 def test_a_core_whose_node_dies_goes_with_it(nodes):
+    """... and a node killed with SIGKILL leaves nothing behind: no process, no socket file."""
     node = nodes[1]
     core = node.core_pid
     assert _alive(core)
+    assert _core_sockets(node.proc.pid)
+    files_before = set(Path(tempfile.gettempdir()).glob("pdserve-core-*"))
     os.kill(node.proc.pid, signal.SIGKILL)  # the node alone, not its process group
     node.proc.wait(10)
     give_up = time.monotonic() + 10
     while _alive(core):
         assert time.monotonic() < give_up, "the engine core outlived its node"
         time.sleep(0.1)
+    assert not _core_sockets(node.proc.pid)
+    assert set(Path(tempfile.gettempdir()).glob("pdserve-core-*")) == files_before

@@ -2,9 +2,10 @@
 
 ``CoreClient`` spawns the engine core (``pdserve.node.engine_core.run_core``) in a process of its
 own (multiprocessing's spawn start method, safe with CUDA) and binds two ZeroMQ ipc:// sockets for
-it: ``CoreCall``s go out on one; ``CoreReply``s and one ``StepOutputs`` per engine step come back
-on the other, read on the node's event loop. ``call`` awaits a command's reply (a refusal raises
-``CoreRefused`` with its status); ``send`` wants none.
+it (abstract names on Linux: nothing left on disk): ``CoreCall``s go out on one; ``CoreReply``s
+and one ``StepOutputs`` per engine step come back on the other, read on the node's event loop.
+``call`` awaits a command's reply (a refusal raises ``CoreRefused`` with its status); ``send``
+wants none.
 
 Impossible to wedge: the client watches the process's sentinel. A core that dies (or reports
 ``CoreFailed``) fails every call in flight at once and tells the node (``on_death``), which ends its
@@ -21,7 +22,9 @@ import itertools
 import logging
 import multiprocessing
 import os
+import secrets
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -77,9 +80,15 @@ class CoreClient:
     ) -> None:
         self.on_outputs = on_outputs
         self.on_death = on_death
-        self._dir = tempfile.mkdtemp(prefix="pdserve-core-")
-        self.commands_address = f"ipc://{self._dir}/commands"
-        self.outputs_address = f"ipc://{self._dir}/outputs"
+        # Linux: names in the abstract socket namespace, which vanish with the sockets (a node killed
+        # with SIGKILL leaves no file behind); elsewhere files in a folder of their own.
+        if sys.platform.startswith("linux"):
+            self._dir = ""
+            where = f"@pdserve-core-{os.getpid()}-{secrets.token_hex(8)}"
+        else:
+            where = self._dir = tempfile.mkdtemp(prefix="pdserve-core-")
+        self.commands_address = f"ipc://{where}/commands"
+        self.outputs_address = f"ipc://{where}/outputs"
         self._ctx = zmq.asyncio.Context()
         out = self._out = self._ctx.socket(zmq.PUSH)
         out.setsockopt(zmq.LINGER, 0)
@@ -211,8 +220,9 @@ class CoreClient:
         self.remove_files()
 
     def remove_files(self) -> None:
-        """Remove the sockets' folder (also before a node whose core died exits)."""
-        shutil.rmtree(self._dir, ignore_errors=True)
+        """Remove the sockets' folder, where they have one (also before a node whose core died exits)."""
+        if self._dir:
+            shutil.rmtree(self._dir, ignore_errors=True)
 
 
 class Subscription:
