@@ -27,6 +27,7 @@ drops a request whose deadline has passed, wherever it is, and frees its blocks.
 from __future__ import annotations
 
 import struct
+import threading
 from typing import Any, TypeVar
 
 import msgspec
@@ -391,6 +392,13 @@ FromCore = CoreReply | StepOutputs | CoreReady | CoreFailed
 
 _encoder = msgspec.msgpack.Encoder()
 _decoders: dict[Any, msgspec.msgpack.Decoder] = {}
+_decoders_lock = threading.Lock()
+"""Decoders are made one at a time. msgspec (0.22, with the GIL) caches a Struct's type info on
+the class *before* it fills in the fields' types, and filling them runs Python code, where the
+GIL may pass to another thread: a second thread that made a decoder of the same Struct then got
+the half-built info and dereferenced a NULL field type (a segfault in ``mpack_decode``: a prefill
+node's engine core, whose KV peer threads decode their first replies at once, died so in CI).
+A decoder made whole is safe to share between threads."""
 
 
 def encode(msg: Message) -> bytes:
@@ -401,7 +409,10 @@ def decode(data: bytes | memoryview, kind: type[T]) -> T:
     """Decode ``data`` as ``kind`` (a Message subclass or a Union of them); raises ``msgspec.DecodeError``."""
     dec = _decoders.get(kind)
     if dec is None:
-        dec = _decoders[kind] = msgspec.msgpack.Decoder(kind)
+        with _decoders_lock:
+            dec = _decoders.get(kind)
+            if dec is None:
+                dec = _decoders[kind] = msgspec.msgpack.Decoder(kind)
     try:
         return dec.decode(data)
     except UnicodeDecodeError as e:  # msgspec lets invalid UTF-8 in a str out as this
