@@ -171,6 +171,7 @@ def test_a_node_whose_core_dies_exits_and_its_streams_see_it_go(nodes):
             link._recv(1.0)
         os.kill(node.core_pid, signal.SIGKILL)
         assert node.proc.wait(10) != 0
+        assert "engine core is gone (its process was killed by SIGKILL)" in node.log.read_text()
         with pytest.raises(TimeoutError):  # no final event: the stream was cut, not finished
             link.read("long", timeout=1)
     with pytest.raises(httpx.HTTPError):

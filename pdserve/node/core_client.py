@@ -24,6 +24,7 @@ import multiprocessing
 import os
 import secrets
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -124,10 +125,11 @@ class CoreClient:
     def _exited(self) -> None:
         loop = asyncio.get_running_loop()
         loop.remove_reader(self.process.sentinel)
-        self.process.join(0)
-        code = self.process.exitcode
+        # The sentinel fires as the process goes, maybe before it can be reaped: wait a moment for
+        # its exit status (the node exits anyway when the core is lost), which names a crash.
+        self.process.join(1.0)
         if not self._closing:
-            self._lost(f"its process exited (code {code})")
+            self._lost(f"its process {_exit_status(self.process.exitcode)}")
 
     def _lost(self, why: str) -> None:
         if self.gone:
@@ -223,6 +225,18 @@ class CoreClient:
         """Remove the sockets' folder, where they have one (also before a node whose core died exits)."""
         if self._dir:
             shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _exit_status(code: int | None) -> str:
+    """``exited with code 1``, ``was killed by SIGSEGV``, ``exited`` (status unknown)."""
+    if code is None:
+        return "exited"
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
 
 
 class Subscription:
