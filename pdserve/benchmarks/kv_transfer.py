@@ -39,6 +39,7 @@ import platform
 import socket
 import sys
 import tempfile
+import threading
 import time
 
 import torch
@@ -163,6 +164,8 @@ def _receiver(
             for rid in arg:
                 table.release(rid)
             conn.send("ok")
+        elif kind == "zmq_echo":  # the anchor of the fixed cost: a thread that answers each message
+            conn.send(_start_echo())
         elif kind == "raw_tcp":  # one persistent connection, like pdserve's
             host_buf = memoryview(buf.numpy())
             if tcp is None:
@@ -328,6 +331,67 @@ def _fixed_cost_us(remote, sender, address, shape, count: int, tag: str) -> dict
         times.append(time.perf_counter() - start)
         assert ack.ok, ack.error
     remote.call("release_many", rids)
+    times = sorted(times[10:])
+    return {"p50": times[len(times) // 2] * 1e6, "p90": times[int(len(times) * 0.9)] * 1e6}
+
+
+def _start_echo() -> str:
+    """A ROUTER socket whose thread answers every message at once, as the receiver's control
+    thread would (polling, then one reply); returns its address."""
+    import zmq
+
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+
+    def serve() -> None:
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        while True:
+            if poller.poll(100):
+                frames = sock.recv_multipart(copy=False)
+                sock.send_multipart([frames[0], b"ack"])
+
+    threading.Thread(target=serve, name="zmq-echo", daemon=True).start()
+    return f"tcp://127.0.0.1:{port}"
+
+
+def _raw_round_trip_us(remote, count: int) -> dict:
+    """The anchor of a send's fixed cost: the same thread hops with nothing else, ``count`` times in
+    a row (after 10 to warm up). The caller hands a message to a thread of its own (a queue), which
+    sends it on a DEALER socket and waits for the answer (``poll``), from the receiver process's
+    thread (``zmq_echo``), then resolves a Future the caller waits on. What a one-block send costs
+    beyond this is pdserve's protocol; this itself is the host's (thread wake-ups, loopback TCP)."""
+    import queue
+    from concurrent.futures import Future
+
+    import zmq
+
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(remote.call("zmq_echo", None))
+    jobs: queue.Queue = queue.Queue()
+
+    def worker() -> None:
+        while (fut := jobs.get()) is not None:
+            sock.send(b"x" * 200)
+            while not sock.poll(1):
+                pass
+            sock.recv_multipart(copy=False)
+            fut.set_result(None)
+
+    thread = threading.Thread(target=worker, name="raw-round-trip", daemon=True)
+    thread.start()
+    times = []
+    for _ in range(count + 10):
+        start = time.perf_counter()
+        fut: Future = Future()
+        jobs.put(fut)
+        fut.result()
+        times.append(time.perf_counter() - start)
+    jobs.put(None)
+    thread.join()
+    sock.close()
     times = sorted(times[10:])
     return {"p50": times[len(times) // 2] * 1e6, "p90": times[int(len(times) * 0.9)] * 1e6}
 
@@ -532,14 +596,23 @@ def run(args: argparse.Namespace) -> dict:
         receiver_name = agent.add_remote_agent(receiver_metadata)
         mem = "VRAM" if cuda else "DRAM"
 
-    # The fixed cost of a send, before any size: one block, send to ack, many times in a row.
+    # The fixed cost of a send, before any size: one block, send to ack, many times in a row; its
+    # anchor first, the same thread hops and round trip with nothing else.
+    raw_round_trip = _raw_round_trip_us(remote, args.one_block_count)
+    p50, p90 = raw_round_trip["p50"], raw_round_trip["p90"]
+    print(f"raw round trip through the same threads (anchor): p50 {p50:.0f} us, p90 {p90:.0f} us", flush=True)
     fixed = {}
     # On CUDA also nixl forced in place and packed (which way a one-block send should take).
     timed = {**senders, **{k: v for k, v in forced.items() if k.startswith("nixl")}}
     for name, sender in timed.items():
         fixed[name] = _fixed_cost_us(remote, sender, address, shape, args.one_block_count, name)
         p50, p90 = fixed[name]["p50"], fixed[name]["p90"]
-        print(f"fixed cost of a one-block send, {name}: p50 {p50:.0f} us, p90 {p90:.0f} us", flush=True)
+        ratio = p50 / raw_round_trip["p50"]
+        print(
+            f"fixed cost of a one-block send, {name}: p50 {p50:.0f} us, p90 {p90:.0f} us "
+            f"({ratio:.1f}x the anchor)",
+            flush=True,
+        )
     breakdown = {}
     for name, sender in timed.items() if args.breakdown else ():
         if name.split("-")[0] not in ("nixl", "zmq"):
@@ -729,12 +802,17 @@ def run(args: argparse.Namespace) -> dict:
         "bytes / the fastest run (pdserve's and every anchor's alike; *_median_gb_s: the median run), "
         "ratio_* of those; every way runs once a round, the rounds in a row. "
         "one_block_send_us: the fixed cost of a send, one block from KVSender.send to "
-        "the ack, p50 and p90 of one_block_count sends in a row; one_block_breakdown_us (--breakdown): "
+        "the ack, p50 and p90 of one_block_count sends in a row; raw_round_trip_us, its anchor: the same "
+        "thread hops with nothing else (the caller hands a message to a thread, which sends it on a "
+        "DEALER socket and polls for the answer of a thread in the receiver process, then resolves a "
+        "Future the caller waits on), as many times in a row: what the host costs (thread wake-ups, "
+        "loopback TCP); one_block_breakdown_us (--breakdown): "
         "the same sends again, time-stamped at each step of the protocol in both processes (by "
         "wrapping the methods that reach it, ~1-2 us a stamp), p50 and p90 of each step.",
         "repeats": repeats,
         "one_block_count": args.one_block_count,
         "one_block_send_us": fixed,
+        "raw_round_trip_us": raw_round_trip,
         "one_block_breakdown_us": breakdown,
         "nixl_max_desc_bytes": max_desc_bytes,
         "nccl_direct_min_run_bytes": NcclOptions().direct_min_run_bytes,
