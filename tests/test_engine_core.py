@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from pdserve.cluster import free_port
-from pdserve.messages import LandingDescriptor, PrefillRequest, ReserveRequest, StreamRequest
+from pdserve.messages import LandingDescriptor, PrefillRequest, Reply, ReserveRequest, StreamRequest
 from pdserve.sampling_params import SamplingParams
 from tests import node_link
 
@@ -121,17 +121,28 @@ def test_every_reply_carries_the_node_s_load(nodes):
     """The node's load as of its last step rides on each call's reply (the proxy routes on it)."""
     node = nodes[0]
     params = SamplingParams(max_tokens=4000, temperature=0.0, ignore_eos=True)
-    with node_link.NodeLink(node.url) as link:
-        _reserve(link, "busy", 4000)
-        assert link.reply(link.start(StreamRequest("busy"))).status == 200  # it runs once its stream opened
+
+    def probe_until(enough) -> Reply:
         give_up = time.monotonic() + 30
-        while True:  # a reply after the engine stepped with "busy" counts it
+        while True:  # a reply after the engine turned with the requests counts them
             reply = link.call(ReserveRequest("probe", list(range(10, 40)), params, 30.0, local_prefill=True))
             assert reply.status == 200 and reply.load is not None, reply
             link.abort("probe")
-            if reply.load.running >= 1:
-                break
+            if enough(reply.load):
+                return reply
             assert time.monotonic() < give_up, reply.load
+
+    with node_link.NodeLink(node.url) as link:
+        # Reserved with a local prefill, streams not opened: the node holds them outside the
+        # engine, and they wait as much as queued ones (the probe itself is at most one more).
+        for i in range(3):
+            _reserve(link, f"held-{i}", 8)
+        probe_until(lambda load: load.waiting >= 3)
+        for i in range(3):
+            link.abort(f"held-{i}")
+        _reserve(link, "busy", 4000)
+        assert link.reply(link.start(StreamRequest("busy"))).status == 200  # it runs once its stream opened
+        reply = probe_until(lambda load: load.running >= 1)
         assert reply.load.total_blocks > reply.load.free_blocks
         refused = link.call(ReserveRequest("busy", list(range(10, 40)), params, 30.0, local_prefill=True))
         assert refused.status != 200 and refused.load is not None, refused  # refusals say it too

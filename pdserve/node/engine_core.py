@@ -248,7 +248,7 @@ class CoreState:
         self._publish_block_events()
         # What /internal/load answers, taken before the step as commands queued prompts: a prompt
         # that one step computes still shows as queued to the routers polling.
-        self._load = node_load(self.engine.load())
+        self._load = node_load(self.engine.load(), sum(x.num_waiting for x in self.services))
 
     def _publish_block_events(self) -> None:
         if self.publisher is not None:

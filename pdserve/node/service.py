@@ -61,11 +61,13 @@ def kv_transport_for(engine: LLMEngine, node: NodeConfig) -> NodeConfig:
     return node
 
 
-def node_load(load: EngineLoad) -> NodeLoad:
-    """The engine's load as the message routers poll (``/internal/load``)."""
+def node_load(load: EngineLoad, held: int = 0) -> NodeLoad:
+    """The engine's load as routers see it (``/internal/load``, every channel reply); ``held``:
+    requests the node's services queue outside the engine (a local prefill waiting for its
+    stream), which wait too."""
     return NodeLoad(
         running=load.num_running,
-        waiting=load.num_waiting,
+        waiting=load.num_waiting + held,
         waiting_for_kv=load.num_waiting_for_kv,
         free_blocks=load.num_free_blocks,
         total_blocks=load.num_blocks,
