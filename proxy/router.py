@@ -43,7 +43,6 @@ class NodeState:
     client: NodeClient
     info: NodeInfo | None = None
     load: NodeLoad | None = None
-    load_time: float = 0.0  # monotonic time ``load`` was heard (a poll, or a reply on the channel)
     colocated: bool = False  # listed as a co-located (both) node: it serves whole requests
     num_inflight: int = 0  # this proxy's requests on the node now
     inflight_prefill_tokens: int = 0  # uncached prompt tokens of this proxy's prefills on it now
@@ -52,9 +51,8 @@ class NodeState:
     last_error: str = ""
 
     def heard_load(self, load: NodeLoad) -> None:
-        """The node's load as its reply to a call said (fresher than the last poll)."""
+        """The node's load as a poll or its reply to a call said (the newest wins)."""
         self.load = load
-        self.load_time = time.monotonic()
 
     @property
     def available(self) -> bool:
@@ -259,7 +257,6 @@ class Router:
         self.reference = self.nodes[0].info
         for node in self.nodes:
             node.up = True
-            node.load_time = time.monotonic()
         if self.redis_url:
             self.index = PrefixIndex(self.redis_url, self.reference.model_id, self.index_timeout_s)
         self._poller = asyncio.ensure_future(self._poll_forever())
@@ -354,8 +351,7 @@ class Router:
         except NodeError as exc:
             self.mark_down(node, exc.message)
             return
-        node.load = load
-        node.load_time = time.monotonic()
+        node.heard_load(load)
         if not node.up:
             node.up = True
             logger.info("%s node %s is back", node.role, node.url)

@@ -316,6 +316,11 @@ def _raw_tcp(remote, tcp: socket.socket, payload: memoryview, nbytes: int) -> fl
     return seconds
 
 
+def _p50_p90_us(seconds: list[float]) -> dict:
+    ordered = sorted(seconds)
+    return {"p50": ordered[len(ordered) // 2] * 1e6, "p90": ordered[int(len(ordered) * 0.9)] * 1e6}
+
+
 def _fixed_cost_us(remote, sender, address, shape, count: int, tag: str) -> dict:
     """The fixed cost of a send: one block from ``KVSender.send`` to the decode side's ack, ``count``
     times in a row (after 10 to warm up); p50 and p90 in microseconds."""
@@ -331,8 +336,7 @@ def _fixed_cost_us(remote, sender, address, shape, count: int, tag: str) -> dict
         times.append(time.perf_counter() - start)
         assert ack.ok, ack.error
     remote.call("release_many", rids)
-    times = sorted(times[10:])
-    return {"p50": times[len(times) // 2] * 1e6, "p90": times[int(len(times) * 0.9)] * 1e6}
+    return _p50_p90_us(times[10:])
 
 
 def _start_echo() -> str:
@@ -392,8 +396,7 @@ def _raw_round_trip_us(remote, count: int) -> dict:
     jobs.put(None)
     thread.join()
     sock.close()
-    times = sorted(times[10:])
-    return {"p50": times[len(times) // 2] * 1e6, "p90": times[int(len(times) * 0.9)] * 1e6}
+    return _p50_p90_us(times[10:])
 
 
 # -- where a one-block send's time goes (--breakdown) -------------------------------------------------

@@ -157,7 +157,7 @@ class CoreState:
             self.publisher.start()
         for service in self.services:
             service.ready()
-        self._load = self._load_sent = node_load(engine.load())
+        self._load = self._load_sent = self._node_load()
         return CoreReady(self.info, engine.simulation is not None, self._load_sent)
 
     @property
@@ -248,7 +248,7 @@ class CoreState:
         self._publish_block_events()
         # What /internal/load answers, taken before the step as commands queued prompts: a prompt
         # that one step computes still shows as queued to the routers polling.
-        self._load = node_load(self.engine.load(), sum(x.num_waiting for x in self.services))
+        self._load = self._node_load()
 
     def _publish_block_events(self) -> None:
         if self.publisher is not None:
@@ -291,10 +291,14 @@ class CoreState:
             logger.info("request %s ended: %s", request_id, message)
             self.loop.publish(error_output(request_id, message))
 
+    def _node_load(self) -> NodeLoad:
+        """The node's load now: the engine's, with what the services hold outside it as waiting."""
+        return node_load(self.engine.load(), sum(x.num_waiting for x in self.services))
+
     def num_waiting(self) -> int:
         """Requests queued on the node: for the running batch, for their KV, for their stream."""
-        load = self.engine.load()
-        return load.num_waiting + load.num_waiting_for_kv + sum(x.num_waiting for x in self.services)
+        load = self._node_load()
+        return load.waiting + load.waiting_for_kv
 
     def check_room(self) -> None:
         """Before queueing a request: raises ``NodeRefused`` (429) when the node already queues
