@@ -80,13 +80,13 @@ class _Engine:
         return [f"out-{self.steps}"]
 
 
-def test_the_loop_emits_once_per_turn_and_survives_a_step_that_raises():
+def test_the_loop_emits_command_outputs_before_the_step_and_survives_a_step_that_raises():
     engine = _Engine()
     emitted: list[list] = []
 
     def emit(outputs: list) -> None:
         emitted.append(outputs)
-        if len([x for x in emitted if x]) >= 2:
+        if engine.aborted:  # the failing step's errors are out
             loop.stop()
 
     loop = EngineLoop(engine, emit)
@@ -99,9 +99,11 @@ def test_the_loop_emits_once_per_turn_and_survives_a_step_that_raises():
     loop.submit(add)
     loop.run()
     with_outputs = [x for x in emitted if x]
-    # The command's output and the first step's leave together; the failing step ends every
+    # The command's output leaves before the step that follows it (a decode node's first token
+    # on a KV commit is not held back a step), then the step's; the failing step ends every
     # request with an error output instead of wedging the loop.
-    assert with_outputs[0] == ["added", "out-1"]
-    assert sorted(o.request_id for o in with_outputs[1]) == ["a", "b"]
-    assert all(o.outputs[0].finish_reason == "error" for o in with_outputs[1])
+    assert with_outputs[0] == ["added"]
+    assert with_outputs[1] == ["out-1"]
+    assert sorted(o.request_id for o in with_outputs[2]) == ["a", "b"]
+    assert all(o.outputs[0].finish_reason == "error" for o in with_outputs[2])
     assert engine.aborted == ["a", "b"] and not engine.has_work()

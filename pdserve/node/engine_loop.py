@@ -6,7 +6,8 @@ here between steps: the node's typed calls (decoded by the core's reader thread)
 over by the core's own threads (a KV commit from the receiver, a finished send from the sender).
 After each turn, ``emit`` gets every output published during it (a step's outputs and those of
 commands, such as an aborted request's error) in one list: the core sends them to the node process
-as one message.
+as one message. Outputs of commands go out before the step that follows them, not with its
+outputs: a request whose KV landed streams its first token a decode step sooner.
 
 A step that raises does not wedge the node: every request in the engine ends with an error
 output and the loop goes on.
@@ -81,9 +82,16 @@ class EngineLoop:
             if self.on_idle is not None:
                 self._guard(self.on_idle)
             if self.engine.has_work() and not self._stop.is_set():
+                if self._published:
+                    # What the commands published (a decode node's first token, on a KV commit)
+                    # goes out now, not a step later with that step's outputs.
+                    self._flush()
                 self._step()
-            outputs, self._published = self._published, []
-            self._guard(self.emit, outputs)
+            self._flush()
+
+    def _flush(self) -> None:
+        outputs, self._published = self._published, []
+        self._guard(self.emit, outputs)
 
     def _step(self) -> None:
         try:
