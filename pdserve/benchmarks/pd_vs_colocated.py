@@ -1,21 +1,27 @@
 """Disaggregated (1 prefill + 1 decode node, one GPU each) against one co-located node at low load.
 
-The same requests — random prompts of ``--input-len`` tokens (no shared prefix), ``--output-len``
-tokens each, sent one at a time — go through a fresh local cluster of each shape. The client
-measures TTFT (request sent to first token) and TPOT (mean gap of the following tokens) from
-the SSE stream; the ratio of TTFTs is what disaggregation adds (transfer, an extra hop).
+The same requests — random prompts of each of ``--input-len``'s lengths (no shared prefix),
+``--output-len`` tokens each, sent one at a time — go through a fresh local cluster of each shape
+(one cluster a shape, every length in turn, each warmed by a request of its length first). The
+client measures TTFT (request sent to first token) and TPOT (mean gap of the following tokens)
+from the SSE stream; the ratio of TTFTs is what disaggregation adds (transfer, an extra hop).
 
     python -m pdserve.benchmarks.pd_vs_colocated --model random:llama-3-8b --gpus 0,1 \\
-        --output docs/benchmarks/pd_vs_colocated_h200.json
+        --input-len 512,2048,8000 --output docs/benchmarks/pd_vs_colocated_h200.json
+
+``--gpus 0,0`` puts both nodes of the P/D shape on one GPU (then give each a share of its
+memory: ``--engine-flags "--gpu-memory-utilization 0.42"``).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime
 import json
 import random
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -66,40 +72,48 @@ async def _drive(url: str, prompts: list[list[int]], output_len: int) -> list[tu
         return [await _one(client, url, model, p, output_len) for p in prompts]
 
 
+def _prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
+    return [rng.randrange(10, vocab) for _ in range(n)]
+
+
 def _seconds_totals(url: str) -> dict[str, tuple[float, float]]:
     return seconds_totals(httpx.get(f"{url}/metrics", timeout=30).text)
 
 
-def run_shape(name: str, cfg: ClusterConfig, args, prompts, warmup: list[int]) -> dict:
+def run_shape(name: str, cfg: ClusterConfig, args, prompts: dict[int, list], warmups: dict[int, list]):
+    """One cluster of this shape; every prompt length in turn: ``{input_len: figures}``."""
     cluster = LocalCluster(cfg, ["--model", args.model, *args.engine_flags.split()], ModelConfig(args.model))
+    by_len = {}
     try:
         started = time.perf_counter()
         url = cluster.start()
         startup = time.perf_counter() - started
         servers = {"proxy": url} | {c.role: c.url for c in cluster.children if not c.role.startswith("proxy")}
-        # Warm-up: one request of the real size (first-use costs such as a KV communicator's set-up
-        # and kernels compiled for the shape stay out of the figures).
-        asyncio.run(_drive(url, [warmup], 4))
-        before = {role: _seconds_totals(u) for role, u in servers.items()}
-        results = asyncio.run(_drive(url, prompts, args.output_len))
-        phases = {role: means_since(before[role], _seconds_totals(u)) for role, u in servers.items()}
+        for input_len, batch in prompts.items():
+            # Warm-up: one request of the real size (first-use costs such as a KV communicator's
+            # set-up and kernels compiled for the shape stay out of the figures).
+            asyncio.run(_drive(url, [warmups[input_len]], 4))
+            before = {role: _seconds_totals(u) for role, u in servers.items()}
+            results = asyncio.run(_drive(url, batch, args.output_len))
+            phases = {role: means_since(before[role], _seconds_totals(u)) for role, u in servers.items()}
+            by_len[input_len] = {
+                "shape": name,
+                "startup_s": startup,
+                "mean_seconds": phases,
+                "ttft_s": _stats([r[0] for r in results]),
+                "tpot_s": _stats([r[1] for r in results]),
+                "outputs": [r[2] for r in results],
+            }
     finally:
         cluster.stop()
-    return {
-        "shape": name,
-        "startup_s": startup,
-        "mean_seconds": phases,
-        "ttft_s": _stats([r[0] for r in results]),
-        "tpot_s": _stats([r[1] for r in results]),
-        "outputs": [r[2] for r in results],
-    }
+    return by_len
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="random:llama-3-8b")
     p.add_argument("--gpus", default="0,1")
-    p.add_argument("--input-len", type=int, default=2048)
+    p.add_argument("--input-len", default="2048", help="prompt lengths, comma-separated (each a sweep)")
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--num-requests", type=int, default=20)
     p.add_argument("--vocab", type=int, default=32000, help="prompt token ids are drawn below this")
@@ -108,9 +122,9 @@ def main() -> None:
     p.add_argument("--output", default="")
     args = p.parse_args()
     rng = random.Random(0)
-    prompts = [
-        [rng.randrange(10, args.vocab) for _ in range(args.input_len)] for _ in range(args.num_requests)
-    ]
+    lengths = [int(x) for x in args.input_len.split(",")]
+    prompts = {n: [_prompt(rng, n, args.vocab) for _ in range(args.num_requests)] for n in lengths}
+    warmups = {n: _prompt(rng, n, args.vocab) for n in lengths}
     gpus = args.gpus.split(",")
     common = dict(threads_per_node=4, routing="least-loaded", startup_timeout_s=600.0)
     shapes = {
@@ -134,21 +148,28 @@ def main() -> None:
             **common,
         ),
     }
-    warmup = [rng.randrange(10, args.vocab) for _ in range(args.input_len)]
-    runs = {name: run_shape(name, cfg, args, prompts, warmup) for name, cfg in shapes.items()}
-    pd, co = runs["1P1D"], runs["colocated"]
-    print(f"{'shape':<10}{'TTFT p50':>10}{'TTFT p90':>10}{'TPOT p50':>10}{'TPOT p90':>10}  (ms)")
-    for r in runs.values():
-        t, o = r["ttft_s"], r["tpot_s"]
-        ms = [t["p50"], t["p90"], o["p50"], o["p90"]]
-        print(f"{r['shape']:<10}" + "".join(f"{x * 1e3:>10.2f}" for x in ms))
-    added = pd["ttft_s"]["p50"] / co["ttft_s"]["p50"] - 1
-    same = pd["outputs"] == co["outputs"]
-    print(f"disaggregation adds {100 * added:.1f} % to TTFT p50; identical outputs: {same}")
-    for r in runs.values():
-        for role, means in r["mean_seconds"].items():
-            figures = ", ".join(f"{k.removeprefix('pdserve_')} {v * 1e3:.2f}" for k, v in means.items())
-            print(f"{r['shape']} {role} mean ms: {figures}")
+    runs = {name: run_shape(name, cfg, args, prompts, warmups) for name, cfg in shapes.items()}
+    by_len = {}
+    for n in lengths:
+        pd, co = runs["1P1D"][n], runs["colocated"][n]
+        print(f"input {n} tokens")
+        print(f"{'shape':<10}{'TTFT p50':>10}{'TTFT p90':>10}{'TPOT p50':>10}{'TPOT p90':>10}  (ms)")
+        for r in (pd, co):
+            t, o = r["ttft_s"], r["tpot_s"]
+            ms = [t["p50"], t["p90"], o["p50"], o["p90"]]
+            print(f"{r['shape']:<10}" + "".join(f"{x * 1e3:>10.2f}" for x in ms))
+        added = pd["ttft_s"]["p50"] / co["ttft_s"]["p50"] - 1
+        same = pd["outputs"] == co["outputs"]
+        print(f"disaggregation adds {100 * added:.1f} % to TTFT p50; identical outputs: {same}")
+        for r in (pd, co):
+            for role, means in r["mean_seconds"].items():
+                figures = ", ".join(f"{k.removeprefix('pdserve_')} {v * 1e3:.2f}" for k, v in means.items())
+                print(f"{r['shape']} {role} mean ms: {figures}")
+        by_len[n] = {
+            "ttft_added_p50": added,
+            "identical_outputs": same,
+            "runs": {r["shape"]: {k: v for k, v in r.items() if k != "outputs"} for r in (pd, co)},
+        }
     try:
         import torch
 
@@ -158,14 +179,15 @@ def main() -> None:
     result = {
         "benchmark": "pd_vs_colocated",
         "device": device,
+        "command": "python -m pdserve.benchmarks.pd_vs_colocated " + " ".join(sys.argv[1:]),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "model": args.model,
-        "input_len": args.input_len,
+        "gpus": args.gpus,
         "output_len": args.output_len,
         "num_requests": args.num_requests,
         "kv_transport": args.kv_transport,
-        "ttft_added_p50": added,
-        "identical_outputs": pd["outputs"] == co["outputs"],
-        "runs": {k: {kk: vv for kk, vv in v.items() if kk != "outputs"} for k, v in runs.items()},
+        "engine_flags": args.engine_flags,
+        "by_input_len": by_len,
     }
     if args.output:
         Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
