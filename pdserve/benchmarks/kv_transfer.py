@@ -413,6 +413,13 @@ BREAKDOWN = (
 )
 """(from, to, what) stamps of one send: the processes share ``time.perf_counter`` (CLOCK_MONOTONIC)."""
 
+WHOLE = (
+    ("send", "ack_out", "send to the commit on the receiver (what TTFT waits for)"),
+    ("send", "done", "the whole send"),
+)
+"""Spans of several steps: the decode node starts the request at its commit; the ack after it only
+tells the prefill node that its blocks are free."""
+
 
 class _Probe:
     """Time stamps per request id at the points ``BREAKDOWN`` names, taken by wrapping the methods
@@ -516,7 +523,7 @@ def _breakdown_us(remote, sender, address, shape, count: int, tag: str) -> dict:
     steps: dict[str, list[float]] = {}
     for rid in rids[10:]:
         t = {**theirs.get(rid, {}), **ours[rid]}
-        for start, end, what in (*BREAKDOWN, ("send", "done", "the whole send")):
+        for start, end, what in (*BREAKDOWN, *WHOLE):
             if start in t and end in t:
                 steps.setdefault(what, []).append((t[end] - t[start]) * 1e6)
     result = {}
