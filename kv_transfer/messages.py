@@ -68,6 +68,7 @@ class NixlOffer(KVMessage):
 class NixlAccept(KVMessage):
     agent: str = ""  # the receiver's NIXL agent name
     metadata: bytes = b""
+    gpu: str = ""  # the UUID of the GPU holding the receiver's cache ("" for a DRAM cache)
 
 
 class NcclOffer(KVMessage):

@@ -788,3 +788,46 @@ def test_without_prepared_lists_scattered_blocks_are_read_by_lists_built_per_rea
         assert torch.equal(pair.dst[:, [6, 1, 12]], pair.src[:, [3, 9, 0]])
     finally:
         pair.close()
+
+
+@pytest.mark.parametrize("same_gpu", [False, True])
+def test_layer_chunks_follow_the_forward_except_when_both_caches_share_a_gpu(same_gpu):
+    """With per-layer events, a send is offered in layer chunks as each is written; when the peer's
+    cache is on this GPU (``NixlAccept.gpu`` matched at set-up), in one READ after the whole
+    forward: the two processes' work on one GPU is time-sliced, and READs during it slowed it."""
+    import itertools
+
+    from pdserve.kv_transfer import nixl_backend as nb
+    from pdserve.kv_transfer.base import Staged, slab_bytes
+    from pdserve.messages import decode
+
+    kv = torch.zeros(4, 16, 2, 4, 1, 8)  # 4 layers; a chunk of 2 layers at 2 blocks a slab each
+    waited: list[int] = []
+
+    class Event:
+        def __init__(self, layer: int) -> None:
+            self.layer = layer
+
+        def synchronize(self) -> None:
+            waited.append(self.layer)
+
+    sent: list = []
+    plane = types.SimpleNamespace(
+        kv=kv,
+        slab_bytes=slab_bytes(kv),
+        options=nb.NixlOptions(layer_chunk_bytes=2 * 2 * slab_bytes(kv)),
+        progress=None,
+        _xfer_ids=itertools.count(1),
+    )
+    link = types.SimpleNamespace(address="tcp://peer", send=lambda frames, deadline: sent.append(frames))
+    session = nb.NixlSession(plane, link, same_gpu=same_gpu)
+    staged = Staged(None, [3, 4], [(i + 1, Event(i + 1)) for i in range(4)])
+    commit = nb.KVCommit("r", 7)
+    session.deliver("r", staged, [5, 6], time.monotonic() + 10, commit)
+    offers = [decode(frames[0], nb.KVReady) for frames in sent]
+    if same_gpu:
+        assert [(o.layer_start, o.layer_end) for o in offers] == [(0, 4)] and waited == [4]
+    else:
+        assert [(o.layer_start, o.layer_end) for o in offers] == [(0, 2), (2, 4)] and waited == [2, 4]
+    assert offers[-1].commit == commit and all(o.commit is None for o in offers[:-1])
+    assert all(o.src_block_ids == [3, 4] and o.dst_block_ids == [5, 6] for o in offers)
