@@ -6,7 +6,8 @@ The whole cache is one tensor with a view per layer::
     buffer:       [L, n, 2, BS, Hkv, D]       # buffer[:, i] is block block_ids[i], contiguous
 
 One (layer, block) region — ``2 * BS * Hkv * D`` elements, keys then values — is contiguous
-in both, so packing is ``L * n`` independent contiguous copies (64 KiB each at Llama-3-8B's
+in both (the cache's memory may be block-major, as an engine's, or layer-major: the kernel steps
+by its strides), so packing is ``L * n`` independent contiguous copies (64 KiB each at Llama-3-8B's
 Hkv=8, D=128, BS=16 in bf16). A transport then moves the buffer as one region; the receiver
 scatters it into the blocks it reserved, which need not be the sender's block ids.
 """
@@ -136,7 +137,9 @@ def _check(buffer: torch.Tensor, kv_cache_all: torch.Tensor, block_ids: torch.Te
     assert tuple(buffer.shape) == expect, (tuple(buffer.shape), expect)
     assert buffer.dtype == kv_cache_all.dtype, (buffer.dtype, kv_cache_all.dtype)
     # Regions are copied as flat runs: both sides must be contiguous (ids may be any order).
-    assert kv_cache_all.is_contiguous() and buffer.is_contiguous() and block_ids.is_contiguous()
+    # The cache may be laid out either way (``kv_transfer.base.KVLayout``): its (layer, block) slabs
+    # are contiguous, the kernel steps between them by the strides.
+    assert kv_cache_all[0, 0].is_contiguous() and buffer.is_contiguous() and block_ids.is_contiguous()
     assert buffer.device == kv_cache_all.device == block_ids.device
 
 

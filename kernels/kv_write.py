@@ -100,7 +100,7 @@ def write_kv(
     assert slot_mapping.shape == (num_tokens,), (slot_mapping.shape, num_tokens)
     assert slot_mapping.dtype in (torch.int32, torch.int64), slot_mapping.dtype
     assert key.dtype == value.dtype, (key.dtype, value.dtype)
-    assert kv_cache.is_contiguous(), "a layer's cache must be one contiguous [NB, 2, BS, Hkv, D] region"
+    assert kv_cache[0].is_contiguous(), "a layer's cache [NB, 2, BS, Hkv, D] must have contiguous blocks"
     assert block_size & (block_size - 1) == 0, f"block size {block_size} is not a power of two"
     # Tokens may be strided (a slice of a fused QKV output); one token's [Hkv, D] may not.
     for name, x in (("key", key), ("value", value)):

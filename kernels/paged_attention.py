@@ -461,7 +461,7 @@ def _check_attention_args(q, kv_cache, block_tables, seq_lens, query_start_loc, 
     assert cache_dim == head_dim, (kv_cache.shape, q.shape)
     assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
     assert block_size & (block_size - 1) == 0, f"block size {block_size} is not a power of two"
-    assert kv_cache.is_contiguous(), "a layer's cache must be one contiguous [NB, 2, BS, Hkv, D] region"
+    assert kv_cache[0].is_contiguous(), "a layer's cache [NB, 2, BS, Hkv, D] must have contiguous blocks"
     assert q.stride(2) == 1, f"q's head_dim must be contiguous: {q.stride()}"
     num_seqs = seq_lens.shape[0]
     assert block_tables.dim() == 2 and block_tables.shape[0] == num_seqs, (block_tables.shape, num_seqs)

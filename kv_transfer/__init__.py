@@ -43,8 +43,9 @@ moves the blocks on its own data plane, behind the typed interfaces of ``plane``
 * ``zmq``: frames on that connection, runs of blocks straight out of a CPU cache, the rest
   gathered chunk by chunk into staging buffers kept per session while the previous chunk is on
   the wire; the last message carries the commit; runs everywhere.
-* ``nixl``: the decode node READs the blocks in place, by descriptor (lists prepared once per
-  session for scattered blocks), out of the prefill node's registered KV cache into its own (UCX;
+* ``nixl``: the decode node READs the blocks in place, by descriptor (one per run of blocks in
+  the engine's block-major caches, ``KVLayout``; lists prepared once per session for scattered
+  blocks), out of the prefill node's registered KV cache into its own (UCX;
   VRAM on GPUs, DRAM on the CPU): no copy on either side; it takes the commit, carried by the
   last READ offer, once its READs ended, and acks: a one-block send is one message each way.
 * ``nccl``: send/recv on a communicator per prefill-decode pair (torch.distributed's NCCL
@@ -60,7 +61,8 @@ transport means one new file (``<name>_backend.py``: its options, its two planes
 ``TransportPlugin``) and one entry in ``REGISTRY`` below (plus its set-up structs and data
 messages in ``messages``, the one home of the wire, if it needs any).
 
-Modules: ``base`` (the two halves' interfaces, ``ReservationTable``, block helpers), ``control``
+Modules: ``base`` (the two halves' interfaces, ``ReservationTable``, the caches' ``KVLayout`` and
+the regions a send moves, block helpers), ``control``
 (the control host: ``ControlSender``, ``ControlReceiver``), ``plane`` (the plane interfaces and
 ``TransportPlugin``), ``messages``, ``zmq_backend``, ``nixl_backend`` (with ``staging``, its
 packing slots) and ``nccl_backend``.

@@ -357,51 +357,137 @@ class Staged:
             event.synchronize()
 
 
+@dataclass(frozen=True)
+class KVLayout:
+    """Where each (layer, block) slab ``[2, BS, Hkv, D]`` of a cache lies in its one memory region.
+
+    Every cache is indexed ``[L, NB, 2, BS, Hkv, D]``; in memory it is either **block-major** (the
+    engine's: a block's slabs of every layer follow one another, so a block is one contiguous
+    ``L * slab`` bytes and a run of consecutive blocks one region, whatever the layer count) or
+    **layer-major** (a layer's slabs of every block follow one another: a block is ``L`` pieces).
+    Slab number ``index(layer, block)`` starts at byte ``index * slab`` of the region."""
+
+    num_layers: int
+    num_blocks: int
+    slab: int  # bytes
+    block_major: bool
+
+    @classmethod
+    def of(cls, kv: torch.Tensor) -> KVLayout:
+        """The layout of ``kv``; ValueError unless it is one region laid out one of the two ways."""
+        if kv.dim() != 6 or kv.shape[2] != 2:
+            raise ValueError(f"a KV cache is [L, NB, 2, BS, Hkv, D], got {tuple(kv.shape)}")
+        slab = kv[0, 0].numel() * kv.element_size()
+        if kv.is_contiguous():  # also when L or NB is 1, where the two layouts are one
+            return cls(kv.shape[0], kv.shape[1], slab, False)
+        if kv.transpose(0, 1).is_contiguous():
+            return cls(kv.shape[0], kv.shape[1], slab, True)
+        raise ValueError(f"a KV cache must be one region, layer- or block-major; strides {kv.stride()}")
+
+    def index(self, layer: int, block: int) -> int:
+        return block * self.num_layers + layer if self.block_major else layer * self.num_blocks + block
+
+    def whole(self, layer_start: int, layer_end: int) -> bool:
+        """Whether ``[layer_start, layer_end)`` is every layer."""
+        return layer_start == 0 and layer_end == self.num_layers
+
+
+def region_bytes(kv: torch.Tensor) -> torch.Tensor:
+    """The cache's whole memory region as a 1-D uint8 tensor (either layout)."""
+    base = kv.transpose(0, 1) if KVLayout.of(kv).block_major else kv
+    return base.reshape(-1).view(torch.uint8)
+
+
+def run_regions(
+    runs: Sequence[tuple[int, int]], layer_start: int, layer_end: int, layout: KVLayout
+) -> list[tuple[int, int]]:
+    """(first slab, slab count) of the regions that hold layers [layer_start, layer_end) of the
+    runs ``(first block, count)`` of consecutive blocks, in the order a sender frames them and a
+    receiver of the same layout reads them back: block-major, a run of every layer is one region
+    and otherwise each block one region; layer-major, each (layer, run) one region, layer by layer."""
+    layers = layer_end - layer_start
+    if layout.block_major:
+        if layout.whole(layer_start, layer_end):
+            return [(b * layers, c * layers) for b, c in runs]
+        return [(layout.index(layer_start, b + i), layers) for b, c in runs for i in range(c)]
+    return [(layer * layout.num_blocks + b, c) for layer in range(layer_start, layer_end) for b, c in runs]
+
+
 def coalesce(
     src_block_ids: Sequence[int],
     dst_block_ids: Sequence[int],
     layer_start: int,
     layer_end: int,
-    src_num_blocks: int,
-    dst_num_blocks: int,
-    slab_bytes: int,
+    src: KVLayout,
+    dst: KVLayout,
     max_bytes: int = 0,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Byte offsets in the source cache, in the destination cache, and lengths of the runs that
-    move layers [layer_start, layer_end) of ``src_block_ids[i]`` into ``dst_block_ids[i]`` (caches
-    laid out [L, NB, 2, BS, Hkv, D], each with its own NB, so a (layer, block) slab is contiguous).
-    Slabs consecutive in both caches share one run, which ``max_bytes`` (if set) caps.
+    """Byte offsets in the source cache, in the destination cache, and lengths of the regions that
+    move layers [layer_start, layer_end) of ``src_block_ids[i]`` into ``dst_block_ids[i]``, as few
+    as the two layouts allow (``KVLayout``); ``max_bytes`` (if set) caps their length.
 
     Runs are cut once per send from the block lists (``block_runs``, no numpy: this is on the
     critical path of every transfer, and a handful of numpy calls on tiny arrays costs more than
-    the loop) and repeated for each layer; a run that ends both caches' layers continues into
-    the next layer when that layer's first run starts at block 0 of both."""
+    the loop). Both block-major: one region per run (every layer) or per block (a layer range).
+    Both layer-major: one per (layer, run), a run that ends both caches' layers continuing into
+    the next layer when that layer's first run starts at block 0 of both. Layouts that differ (no
+    two nodes of one cluster: ``NodeInfo.kv_layout``) get one region per slab, merged where
+    consecutive in both."""
+    assert src.slab == dst.slab and src.num_layers == dst.num_layers, (src, dst)
+    slab = src.slab
     runs = block_runs(src_block_ids, dst_block_ids)
     src_list: list[int] = []
     dst_list: list[int] = []
     count_list: list[int] = []
-    for layer in range(layer_start, layer_end):
-        src_base, dst_base = layer * src_num_blocks, layer * dst_num_blocks
+    if src.block_major and dst.block_major:
         for s, d, c in runs:
-            s, d = src_base + s, dst_base + d
-            if count_list and src_list[-1] + count_list[-1] == s and dst_list[-1] + count_list[-1] == d:
-                count_list[-1] += c  # the previous layer's last run, continued
-            else:
-                src_list.append(s)
-                dst_list.append(d)
-                count_list.append(c)
-    src = np.array(src_list, dtype=np.int64)
-    dst = np.array(dst_list, dtype=np.int64)
+            if src.whole(layer_start, layer_end):
+                src_list.append(s * src.num_layers)
+                dst_list.append(d * dst.num_layers)
+                count_list.append(c * src.num_layers)
+                continue
+            for i in range(c):
+                src_list.append(src.index(layer_start, s + i))
+                dst_list.append(dst.index(layer_start, d + i))
+                count_list.append(layer_end - layer_start)
+    else:
+        mixed = src.block_major != dst.block_major
+        for layer in range(layer_start, layer_end):
+            for s, d, c in ((s + i, d + i, 1) for s, d, n in runs for i in range(n)) if mixed else runs:
+                s, d = src.index(layer, s), dst.index(layer, d)
+                if count_list and src_list[-1] + count_list[-1] == s and dst_list[-1] + count_list[-1] == d:
+                    count_list[-1] += c  # continues the previous region on both sides
+                else:
+                    src_list.append(s)
+                    dst_list.append(d)
+                    count_list.append(c)
+    src_at = np.array(src_list, dtype=np.int64)
+    dst_at = np.array(dst_list, dtype=np.int64)
     counts = np.array(count_list, dtype=np.int64)
-    cap = max(1, max_bytes // slab_bytes) if max_bytes else 0
-    if cap and counts.max() > cap:  # cut long runs into pieces of ``cap`` slabs
+    cap = max(1, max_bytes // slab) if max_bytes else 0
+    if cap and counts.max() > cap:  # cut long regions into pieces of ``cap`` slabs
         pieces = -(-counts // cap)
         first = np.repeat(np.arange(len(counts)), pieces)
         k = np.arange(len(first)) - np.repeat(np.cumsum(pieces) - pieces, pieces)  # piece number in run
-        src = src[first] + k * cap
-        dst = dst[first] + k * cap
+        src_at = src_at[first] + k * cap
+        dst_at = dst_at[first] + k * cap
         counts = np.minimum(np.repeat(counts, pieces) - k * cap, cap)
-    return src * slab_bytes, dst * slab_bytes, counts * slab_bytes
+    return src_at * slab, dst_at * slab, counts * slab
+
+
+def num_regions(
+    src_block_ids: Sequence[int],
+    dst_block_ids: Sequence[int],
+    layer_start: int,
+    layer_end: int,
+    layout: KVLayout,
+) -> int:
+    """How many regions ``coalesce`` makes of a send between two caches of ``layout`` (layer-major:
+    at most; runs continuing into the next layer merge), without making them."""
+    runs = block_runs(src_block_ids, dst_block_ids)
+    if layout.block_major:
+        return len(runs) if layout.whole(layer_start, layer_end) else len(src_block_ids)
+    return (layer_end - layer_start) * len(runs)
 
 
 def slab_bytes(kv: torch.Tensor) -> int:
@@ -434,6 +520,13 @@ def block_index(block_ids: Sequence[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(list(block_ids), dtype=torch.long, device=device)
 
 
+def select_blocks(kv: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``kv[:, idx]`` (some layers of a cache, ``[layers, n, 2, BS, Hkv, D]``, a view of a new
+    block-major tensor), indexing the blocks' dimension outermost: ``index_select`` along dim 1 of a
+    block-major cache takes ~70x longer on the CPU (264 vs 3.8 ms for 40 blocks of SmolLM2)."""
+    return kv.transpose(0, 1).index_select(0, idx).transpose(0, 1)
+
+
 def gather_into(kv: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) -> None:
     """``out[:] = kv[:, idx]`` (``kv``: some layers of a cache, ``out``: ``[layers, n, 2, BS, Hkv,
     D]``); on CUDA the Triton copy, queued on the current stream."""
@@ -442,7 +535,7 @@ def gather_into(kv: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) -> None:
 
         gather_blocks(kv, idx, out=out)
     else:
-        torch.index_select(kv, 1, idx, out=out)
+        out.copy_(select_blocks(kv, idx))
 
 
 def scatter_from(buf: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor) -> None:
@@ -459,7 +552,7 @@ def stage_blocks(kv: torch.Tensor, block_ids: Sequence[int]) -> Staged:
     """Gather ``block_ids`` of every layer into a new tensor on the cache's device."""
     idx = block_index(block_ids, kv.device)
     if not kv.is_cuda:
-        return Staged(kv.index_select(1, idx), list(block_ids))
+        return Staged(select_blocks(kv, idx).contiguous(), list(block_ids))
     out = kv.new_empty((kv.shape[0], len(idx), *kv.shape[2:]))
     staged = Staged(out, list(block_ids))
     bytes_per_layer = out[0].numel() * out.element_size()
@@ -476,7 +569,7 @@ def copy_to_cpu(kv: torch.Tensor, block_ids: Sequence[int]) -> Staged:
     plane's staging, and any send's before a plane is agreed: a plane agreed on later moves that
     copy, or, reading in place, the blocks themselves)."""
     idx = torch.tensor(list(block_ids), dtype=torch.long, device=kv.device)
-    return Staged(kv.index_select(1, idx).cpu(), list(block_ids))
+    return Staged(select_blocks(kv, idx).contiguous().cpu(), list(block_ids))
 
 
 def valid_block_ids(block_ids: Sequence[int], num_blocks: int) -> bool:

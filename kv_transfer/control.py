@@ -61,6 +61,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from pdserve.kv_transfer.base import (
     KVHandshakeRefused,
+    KVLayout,
     KVReceiver,
     KVRefused,
     KVSender,
@@ -208,7 +209,7 @@ class ControlReceiver(KVReceiver):
         return sum(p.bytes_received for p in self.planes.values())
 
     def register_kv_cache(self, kv_cache: torch.Tensor) -> None:
-        assert kv_cache.dim() == 6 and kv_cache.is_contiguous(), "kv_cache must be [L, NB, 2, BS, Hkv, D]"
+        KVLayout.of(kv_cache)  # [L, NB, 2, BS, Hkv, D], one region (ValueError otherwise)
         self.kv = kv_cache
 
     def start(self, info: NodeInfo, table: ReservationTable, on_commit: Callable[[KVCommit], None]) -> str:
@@ -676,7 +677,7 @@ class ControlSender(KVSender):
         self.bytes_sent = 0
 
     def register_kv_cache(self, kv_cache: torch.Tensor) -> None:
-        assert kv_cache.dim() == 6 and kv_cache.is_contiguous(), "kv_cache must be [L, NB, 2, BS, Hkv, D]"
+        KVLayout.of(kv_cache)  # [L, NB, 2, BS, Hkv, D], one region (ValueError otherwise)
         self.kv = kv_cache
         # What a block counts for in ``bytes_sent``: its bytes, or what a plane says it stands for.
         self._bytes_per_block = max(plane.block_bytes(kv_cache) for plane in self.planes.values())

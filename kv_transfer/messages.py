@@ -60,6 +60,7 @@ class NixlOffer(KVMessage):
     metadata: bytes = b""  # its agent metadata (``get_agent_metadata``)
     # Its registered KV cache: base address, layers, blocks, bytes per (layer, block) slab, device.
     cache: tuple[int, int, int, int, int] = (0, 0, 0, 0, 0)
+    block_major: bool = False  # its cache's layout (``kv_transfer.base.KVLayout``)
     mem: str = ""  # DRAM | VRAM
     # Its registered staging region, where fragmented blocks are packed for one READ: address, bytes.
     stage: tuple[int, int] = (0, 0)
@@ -157,8 +158,10 @@ class KVBlocks(KVMessage):
     Without ``runs``, one payload frame: the raw bytes of a [layer_end - layer_start,
     len(block_ids), 2, BS, Hkv, D] tensor in the agreed dtype (gathered by the sender). With
     ``runs`` (lengths of consecutive groups of ``block_ids``, summing to their number), one payload
-    frame per (layer, run), layer-major, each the [run, 2, BS, Hkv, D] bytes of that layer's run:
-    the sender sends runs of blocks contiguous in its cache straight out of it, without a copy.
+    frame per region of ``kv_transfer.base.run_regions``, each its bytes as they lie in the sender's
+    cache: out of a block-major one, a message carries every layer and a frame is a run (all its
+    layers); out of a layer-major one, a frame is one (layer, run), layer by layer. The sender sends
+    runs of blocks contiguous in its cache straight out of it, without a copy.
     ``nbytes`` is the payload's total.
     """
 
@@ -168,6 +171,9 @@ class KVBlocks(KVMessage):
     layer_end: int
     nbytes: int
     runs: list[int] = []
+    block_major: bool = False
+    """With ``runs``: the layout of the cache the frames come out of (``kv_transfer.base.KVLayout``),
+    which sets how they are cut (``run_regions``); the receiver's must be the same."""
     commit: KVCommit | None = None
     """The request's commit, taken once this message's blocks landed (the last message of a send)."""
 
@@ -176,7 +182,9 @@ class KVBlocks(KVMessage):
 
     @property
     def payload_frames(self) -> int:  # type: ignore[override]
-        return (self.layer_end - self.layer_start) * len(self.runs) if self.runs else 1
+        if not self.runs:
+            return 1
+        return len(self.runs) if self.block_major else (self.layer_end - self.layer_start) * len(self.runs)
 
 
 class KVReady(KVMessage):
@@ -223,8 +231,10 @@ class KVReadDone(KVMessage):
 class KVSend(KVMessage):
     """NCCL: ``nbytes`` of layers [layer_start, layer_end) of ``block_ids`` follow on the pair's
     communicator (tag ``seq``). Staged (``src_block_ids`` empty): one ``send`` of a contiguous
-    [layers, blocks, 2, BS, Hkv, D] tensor. Direct: one ``send`` per layer and run of blocks
-    consecutive in both ``src_block_ids`` (the sender's cache) and ``block_ids``, layer-major."""
+    [layers, blocks, 2, BS, Hkv, D] tensor. Direct: one ``send`` per region of
+    ``kv_transfer.base.run_regions`` of the runs of blocks consecutive in both ``src_block_ids`` (the
+    sender's cache) and ``block_ids``, cut as the sender's cache is laid out (``block_major``), which
+    the receiver's must be too."""
 
     request_id: str
     seq: int
@@ -233,6 +243,7 @@ class KVSend(KVMessage):
     layer_end: int
     nbytes: int
     src_block_ids: list[int] = []
+    block_major: bool = False
 
 
 REQUESTS = KVHandshake | KVSetup | KVBlocks | KVReady | KVSend | KVCommit | KVRenew

@@ -10,12 +10,14 @@ The prefill node sends a ``KVSend`` header on the control connection, then the b
 announces with the header's sequence number as tag, in one of two ways, chosen per send by the
 runs of blocks consecutive in both caches (``block_runs``):
 
-* **direct** (runs of ``direct_min_run_bytes`` or more per layer on average, CUDA): one header
-  for every layer, then one ``send`` per (layer, run) straight out of the prefill node's cache
-  into one ``recv`` straight into the decode node's reserved blocks. Nothing is copied. The
-  header names the source blocks too, so both ends cut the same runs, and the decode node posts
-  all its recvs at once. Each layer's sends wait on the GPU for that layer's event, so with
-  per-layer events the first layers move while the last ones are computed. The decode node
+* **direct** (regions of ``direct_min_run_bytes`` or more on average, CUDA): one header for
+  every layer, then one ``send`` per region (``run_regions``: a run of blocks, every layer of
+  them, in an engine's block-major cache; a (layer, run) in a layer-major one) straight out of
+  the prefill node's cache into one ``recv`` straight into the decode node's reserved blocks.
+  Nothing is copied. The header names the source blocks and the layout too, so both ends cut the
+  same regions (caches laid out unlike break the pair), and the decode node posts all its recvs
+  at once. The sends wait on the GPU for the forward's events: block-major, the last layer's;
+  layer-major, each layer's own, so the first layers move while the last ones are computed. The decode node
   pins the reservation (``ReservationTable.begin``) before posting the recvs and unpins it when
   they completed or the communicator was aborted (``end``), so a reservation is never released
   while bytes may still land in its blocks.
@@ -65,12 +67,16 @@ import torch.distributed as dist
 
 from pdserve.kv_transfer.base import (
     STAGE_CHUNK_BYTES,
+    KVLayout,
     KVTransferError,
     ReservationTable,
     Staged,
     block_runs,
     in_place,
     layer_chunks,
+    num_regions,
+    region_bytes,
+    run_regions,
     slab_bytes,
     stage_blocks,
     valid_block_ids,
@@ -148,17 +154,9 @@ def direct_allowed(kv: torch.Tensor, options: NcclOptions) -> bool:
     return kv.is_cuda or options.direct_on_cpu
 
 
-def _run_views(
-    flat: torch.Tensor, runs: list[tuple[int, int, int]], side: int, layers: range, num_blocks: int, slab: int
-) -> list[torch.Tensor]:
-    """Byte views of a cache (``flat``: all of it as uint8) for each (layer, run), layer-major;
-    ``side`` picks the run's source (0) or destination (1) start."""
-    views = []
-    for layer in layers:
-        for run in runs:
-            start = (layer * num_blocks + run[side]) * slab
-            views.append(flat[start : start + run[2] * slab])
-    return views
+def _region_views(flat: torch.Tensor, regions: list[tuple[int, int]], slab: int) -> list[torch.Tensor]:
+    """Byte views of a cache (``flat``: its region as uint8) of ``run_regions``' (slab, count)s."""
+    return [flat[start * slab : (start + count) * slab] for start, count in regions]
 
 
 def _p2p(group, tensors: list[torch.Tensor], peer: int, tag: int, recv: bool) -> list:
@@ -334,16 +332,20 @@ class _Pair:
             self._break(f"direct KVSend of {msg.nbytes} bytes does not match its blocks and layers")
             table.fail(msg.request_id, self.broken)
             return None
-        runs = block_runs(msg.src_block_ids, msg.block_ids)
-        layers = range(msg.layer_start, msg.layer_end)
+        if msg.block_major != plane.layout.block_major:
+            self._break("direct KVSend cut from a cache laid out unlike this node's")
+            table.fail(msg.request_id, self.broken)
+            return None
+        runs = [(d, c) for _, d, c in block_runs(msg.src_block_ids, msg.block_ids)]
+        regions = run_regions(runs, msg.layer_start, msg.layer_end, plane.layout)
         pinned = not table.begin(msg.request_id, msg.block_ids, msg.layer_start, msg.layer_end)
         if pinned:
-            views = _run_views(plane.flat, runs, 1, layers, kv.shape[1], plane.region_bytes)
+            views = _region_views(plane.flat, regions, plane.region_bytes)
         else:  # received to stay in step with the sender, then dropped
-            longest = max(count for _, _, count in runs) * plane.region_bytes
+            longest = max(count for _, count in regions) * plane.region_bytes
             if self._scratch is None or self._scratch.numel() < longest:
                 self._scratch = torch.empty(longest, dtype=torch.uint8, device=kv.device)
-            views = [self._scratch[: count * plane.region_bytes] for _ in layers for _, _, count in runs]
+            views = [self._scratch[: count * plane.region_bytes] for _, count in regions]
         try:
             works = _p2p(self.group, views, 0, msg.seq, recv=True)
         except Exception as e:
@@ -441,7 +443,8 @@ class NcclReceiverPlane(ReceiverPlane):
         self.kv, self.table, self.outbox, self.on_commit = kv, table, outbox, on_commit
         self.region_bytes = slab_bytes(kv)
         self.cache_bytes = kv.numel() * kv.element_size()
-        self.flat = kv.view(-1).view(torch.uint8)
+        self.layout = KVLayout.of(kv)
+        self.flat = region_bytes(kv)
         self.gloo_host = host if host not in ("0.0.0.0", "") else socket.gethostbyname(socket.gethostname())
         # One store for every pair on this node; each pair works under its own prefix. It listens
         # on a socket bound here to the KV interface only (TCPStore alone binds every interface).
@@ -509,7 +512,8 @@ class NcclSenderPlane(SenderPlane):
 
     def register(self, kv: torch.Tensor) -> None:
         self.kv = kv
-        self.flat = kv.view(-1).view(torch.uint8)
+        self.layout = KVLayout.of(kv)
+        self.flat = region_bytes(kv)
         self.stream = torch.cuda.Stream(kv.device) if kv.is_cuda else None
 
     def offer(self) -> NcclOffer:
@@ -525,9 +529,9 @@ class NcclSenderPlane(SenderPlane):
         """In place when the blocks form long runs in both caches (each layer chunk's sends then
         wait on the GPU for that chunk's layer event), else gathered on the cache's device once
         everything queued so far is done."""
-        runs = block_runs(block_ids, dst_block_ids)
-        min_run = self.options.direct_min_run_bytes
-        if direct_allowed(kv, self.options) and len(block_ids) * slab_bytes(kv) >= min_run * len(runs):
+        regions = num_regions(block_ids, dst_block_ids, 0, kv.shape[0], KVLayout.of(kv))
+        nbytes = kv.shape[0] * len(block_ids) * slab_bytes(kv)
+        if direct_allowed(kv, self.options) and nbytes >= self.options.direct_min_run_bytes * regions:
             return in_place(kv, block_ids, layer_events)  # kept unchanged until the send is over
         return stage_blocks(kv, block_ids)
 
@@ -617,25 +621,36 @@ class NcclSession(SenderSession):
         self, request_id: str, staged: Staged, dst_block_ids: list[int], deadline: float
     ) -> list:
         """One header for every layer (the receiver posts all its recvs at once, so the link never
-        waits for a header's trip), then one send per (layer, run) straight out of the cache, each
-        layer's queued behind its event on the GPU."""
+        waits for a header's trip), then one send per region (``run_regions``) straight out of the
+        cache: block-major, a run of every layer each, queued behind the last layer's event on the
+        GPU; layer-major, a (layer, run) each, queued behind its layer's event."""
         plane = self.plane
-        kv, slab = plane.kv, slab_bytes(plane.kv)
+        kv, slab, layout = plane.kv, slab_bytes(plane.kv), plane.layout
         src = list(staged.block_ids)
-        runs = block_runs(src, dst_block_ids)
+        runs = [(s, c) for s, _, c in block_runs(src, dst_block_ids)]
         num_layers = kv.shape[0]
         seq = next(self._seq)
         nbytes = num_layers * len(src) * slab
-        header = KVSend(request_id, seq, list(dst_block_ids), 0, num_layers, nbytes, src_block_ids=src)
+        header = KVSend(
+            request_id,
+            seq,
+            list(dst_block_ids),
+            0,
+            num_layers,
+            nbytes,
+            src_block_ids=src,
+            block_major=layout.block_major,
+        )
         self.peer.send([encode(header)], deadline)
         works = []
         waited = None
-        for layer in range(num_layers):
-            event = staged.event(layer + 1)
+        chunks = [(0, num_layers)] if layout.block_major else [(i, i + 1) for i in range(num_layers)]
+        for l0, l1 in chunks:
+            event = staged.event(l1)
             if event is not None and event is not waited:
                 torch.cuda.current_stream().wait_event(event)
                 waited = event
-            views = _run_views(plane.flat, runs, 0, range(layer, layer + 1), kv.shape[1], slab)
+            views = _region_views(plane.flat, run_regions(runs, l0, l1, layout), slab)
             works += _p2p(self.group, views, 1, seq, recv=False)
         return works
 

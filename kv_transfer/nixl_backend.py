@@ -1,24 +1,32 @@
 """The NIXL KV transport: the decode node READs the blocks straight out of the prefill node's KV cache.
 
 Both nodes register their whole KV cache with NIXL's UCX backend once (VRAM on a GPU, DRAM on the
-CPU) and exchange its base address and shape at set-up (``KVSetup``/``KVSetupReply``). In a cache
-``[L, NB, 2, BS, Hkv, D]`` the (layer, block) slab ``[2, BS, Hkv, D]`` is contiguous, at offset
-``(layer * NB + block) * slab bytes``, so a request is a list of (source slab, destination slab)
-pairs; runs of pairs consecutive on both sides (adjacent block ids, or the last block of a layer
-followed by the first of the next) become one descriptor (``coalesce``), and each send is one
-READ of those descriptors. Nothing is copied on either side.
+CPU) and exchange its base address, shape and layout at set-up (``KVSetup``/``KVSetupReply``). A
+cache ``[L, NB, 2, BS, Hkv, D]`` is one region of contiguous (layer, block) slabs
+``[2, BS, Hkv, D]`` (``KVLayout``); an engine's is block-major, so a block's every layer is one
+piece and a run of blocks consecutive in both caches one descriptor (``coalesce``), however many
+layers the model has: a send is one READ of as many descriptors as its runs. Nothing is copied on
+either side. (Layer-major caches, a block in ``L`` pieces, move too: a descriptor per layer and
+run.) Per descriptor, UCX's CUDA IPC READ costs ~7 us on an H200 (``raw_nixl_read_layers`` in
+the kv_transfer benchmark: 32 descriptors against one), which a one-block send of Llama-3-8B paid
+32 times while the cache was layer-major.
 
 **Packed sends.** Once a cache has turned over, a request's blocks are scattered and a READ in
-place needs a descriptor per (layer, block): 64 KiB each for Llama-3-8B, 7-10 GB/s on one H100.
-When in place would take more than ``descriptors_per_piece`` descriptors per staging slot, the prefill
+place needs a descriptor per block (per (layer, block) in a layer-major cache: 64 KiB each for
+Llama-3-8B, 7-10 GB/s on one H100). When in place would take more than ``descriptors_per_piece``
+descriptors per staging slot, the prefill
 node gathers the blocks piece by piece into slots of its registered staging pool
 (``kv_transfer.staging``), the decode node READs each slot in one descriptor into a slot of its
 own and scatters it into the reserved blocks, still pinned: 5-9x faster there. Both pools are
 registered with NIXL next to the caches, and the staging region's address travels in KVSetup.
 
-**Layer chunks while the forward runs, except on one GPU.** With per-layer events (a prefill
-step's), a send is offered in layer chunks, each READ as soon as its layers are written, so the
-bytes move while the forward goes on. Not when both caches are on one GPU (their UUIDs match at
+**Layer chunks while the forward runs, out of a layer-major cache on another GPU.** With
+per-layer events (a prefill step's), a send out of a layer-major cache is offered in layer chunks,
+each READ as soon as its layers are written, so the bytes move while the forward goes on. Out of
+a block-major cache, a layer chunk of a block is its own piece (a descriptor per block and chunk
+rather than per run), so a send waits for its step's forward and is one READ (as vLLM's NIXL
+connector, whose cross-layer layout made the same trade: vllm-project/vllm#30207); a long prompt
+prefilled in several steps still moves step by step. Nor when both caches are on one GPU (their UUIDs match at
 set-up, ``NixlAccept.gpu``): a READ is then a copy the decode process queues on the GPU the
 forward runs on, and the GPU time-slices between the two processes' contexts. READs during the
 forward slowed it: P/D on one H200 with 8,000-token prompts, the prefill node's first token came
@@ -71,14 +79,15 @@ decode node progresses UCX while its READs run (the control loop polls them), th
 every millisecond while it waits for a READ's end or an ack (transports that need the target's
 help, such as TCP, and a first connection's wire-up).
 
-**Descriptor lists prepared once.** The decode node prepares every (layer, block) slab of its own
-cache, and of each sender's cache at set-up, as one NIXL descriptor list (``prep_xfer_dlist``,
-one strided row each: slab ``layer * NB + block`` is descriptor number ``layer * NB + block``), and
-a READ of blocks of which no two are consecutive in both caches (one block, or a cache that has
-turned over) is made from those lists by index (``make_prepped_xfer``): no list is built per READ.
-Runs of blocks consecutive in both caches still get one descriptor per (layer, run), built per
-READ (``coalesce``, ``initialize_xfer``): a prepared list fixes each descriptor's length, and one
-descriptor per slab would cost a run of 64 KiB slabs of Llama-3-8B ~8 us each on CUDA IPC.
+**Descriptor lists prepared once.** The decode node prepares every unit of its own cache, and of
+each sender's cache at set-up, as one NIXL descriptor list (``prep_xfer_dlist``, one strided row
+each, ``_unit_array``: block-major, descriptor ``block`` is that block's every layer; layer-major,
+descriptor ``layer * NB + block`` is that slab), and a READ of blocks of which no two are
+consecutive in both caches (one block, or a cache that has turned over; block-major, of every
+layer) is made from those lists by index (``make_prepped_xfer``): no list is built per READ. Runs
+of blocks consecutive in both caches still get one descriptor per run (per (layer, run)
+layer-major), built per READ (``coalesce``, ``initialize_xfer``): a prepared list fixes each
+descriptor's length.
 """
 
 from __future__ import annotations
@@ -100,17 +109,19 @@ import torch
 
 from pdserve import envs
 from pdserve.kv_transfer.base import (
+    KVLayout,
     KVRefused,
     KVTransferError,
     ReservationTable,
     Staged,
     block_index,
-    block_runs,
     call_at,
     coalesce,
     gather_into,
     in_place,
     layer_chunks,
+    num_regions,
+    region_bytes,
     scatter_from,
     slab_bytes,
     valid_block_ids,
@@ -240,10 +251,13 @@ def gpu_uuid(t: torch.Tensor) -> str:
     return str(getattr(torch.cuda.get_device_properties(t.device), "uuid", "") or "")
 
 
-def _slab_array(address: int, count: int, slab: int, device: int) -> np.ndarray:
-    """A cache's ``count`` (layer, block) slabs as one strided NIXL descriptor row (address, length,
-    device, stride, count): descriptor ``layer * NB + block`` is that slab."""
-    return np.array([[address, slab, device, slab, count]], dtype=np.uint64)
+def _unit_array(address: int, layout: KVLayout, device: int) -> np.ndarray:
+    """A cache's units as one strided NIXL descriptor row (address, length, device, stride, count):
+    block-major, its blocks (descriptor ``block`` is every layer of it); layer-major, its (layer,
+    block) slabs (descriptor ``layer * NB + block``)."""
+    count = layout.num_blocks if layout.block_major else layout.num_blocks * layout.num_layers
+    unit = layout.slab * (layout.num_layers if layout.block_major else 1)
+    return np.array([[address, unit, device, unit, count]], dtype=np.uint64)
 
 
 def _prepared(agent, owner: str, slabs: np.ndarray, mem: str):
@@ -294,9 +308,10 @@ class _Remote:
     num_blocks: int
     device: int
     mem: str  # DRAM | VRAM
+    layout: KVLayout | None = None
     stage_address: int = 0
     stage_bytes: int = 0  # 0: it packs nothing
-    slabs: object = None  # its cache as a prepared descriptor list, one (layer, block) slab each
+    units: object = None  # its cache as a prepared descriptor list of units (``_unit_array``)
 
 
 @dataclass
@@ -345,16 +360,17 @@ class NixlReceiverPlane(ReceiverPlane):
         self.kv, self.table, self.outbox, self.on_commit = kv, table, outbox, on_commit
         self.num_layers, self.num_blocks = kv.shape[0], kv.shape[1]
         self.slab_bytes = slab_bytes(kv)
+        self.layout = KVLayout.of(kv)
         self.gpu = gpu_uuid(kv)
         self.pool = StagePool(kv, self.options.staging)
         with _on_device(kv):
             self.agent = _agent("decode", self.options)
-            self._registered = self.agent.register_memory(kv)  # the whole cache, once
+            self._registered = self.agent.register_memory(region_bytes(kv))  # the whole cache, once
             self._registered_pool = self.agent.register_memory(self.pool.buf)
             self.stream = torch.cuda.Stream(kv.device) if kv.is_cuda else None
-            # Every (layer, block) slab of the cache as one prepared list, once (see the docstring).
-            slabs = _slab_array(kv.data_ptr(), kv.shape[0] * kv.shape[1], self.slab_bytes, _device_id(kv))
-            self._slabs = _prepared(self.agent, "NIXL_INIT_AGENT", slabs, _mem_type(kv))
+            # Every unit (block or slab) of the cache as one prepared list, once (see the docstring).
+            units = _unit_array(kv.data_ptr(), self.layout, _device_id(kv))
+            self._units = _prepared(self.agent, "NIXL_INIT_AGENT", units, _mem_type(kv))
 
     def setup(self, peer: bytes, msg: KVSetup) -> KVSetupReply:
         offer = msg.offer(NixlOffer) or NixlOffer()
@@ -380,10 +396,10 @@ class NixlReceiverPlane(ReceiverPlane):
         if remote is None:
             name = self.agent.add_remote_agent(offer.metadata)
             name = name.decode() if isinstance(name, bytes) else name
-            remote = _Remote(name, address, num_blocks, device, offer.mem, stage_address, stage_bytes)
+            layout = KVLayout(num_layers, num_blocks, slab, offer.block_major)
+            remote = _Remote(name, address, num_blocks, device, offer.mem, layout, stage_address, stage_bytes)
             self.agent.make_connection(name)  # now, rather than at the first READ
-            slabs = _slab_array(address, num_layers * num_blocks, slab, device)
-            remote.slabs = _prepared(self.agent, name, slabs, offer.mem)
+            remote.units = _prepared(self.agent, name, _unit_array(address, layout, device), offer.mem)
             self._remotes[offer.agent] = remote
         self._sessions[peer] = remote
         accept = NixlAccept(agent=self.agent.name, metadata=self.agent.get_agent_metadata(), gpu=self.gpu)
@@ -552,27 +568,20 @@ class NixlReceiverPlane(ReceiverPlane):
                 local = np.array([[at, nbytes, _device_id(kv)]], dtype=np.uint64)
                 at = remote.stage_address + msg.src_offset
                 source = np.array([[at, nbytes, remote.device]], dtype=np.uint64)
-            elif (
-                self._slabs is not None
-                and remote.slabs is not None
-                and _scattered(msg.src_block_ids, msg.dst_block_ids)
-            ):
-                # No two blocks consecutive in both caches: one descriptor per (layer, block) slab
-                # either way, taken by index from the lists prepared once (no list built per READ).
+            elif (indices := self._unit_indices(remote, msg)) is not None:
+                # No two blocks consecutive in both caches: one descriptor per unit either way, taken
+                # by index from the lists prepared once (no list built per READ).
                 nbytes = self._packed_bytes(msg)
-                l0, l1 = msg.layer_start, msg.layer_end
-                local = _slab_indices(msg.dst_block_ids, l0, l1, self.num_blocks)
-                source = _slab_indices(msg.src_block_ids, l0, l1, remote.num_blocks)
-                handle = self.agent.make_prepped_xfer("READ", self._slabs, local, remote.slabs, source)
+                local, source = indices
+                handle = self.agent.make_prepped_xfer("READ", self._units, local, remote.units, source)
             else:
                 src, dst, lengths = coalesce(
                     msg.src_block_ids,
                     msg.dst_block_ids,
                     msg.layer_start,
                     msg.layer_end,
-                    remote.num_blocks,
-                    self.num_blocks,
-                    self.slab_bytes,
+                    remote.layout,
+                    self.layout,
                     self.options.max_desc_bytes,
                 )
                 nbytes = int(lengths.sum())
@@ -590,6 +599,25 @@ class NixlReceiverPlane(ReceiverPlane):
             return True
         self._inflight.append(_Read(handle, peer, msg, self._read_deadline(msg), nbytes, slot=slot))
         return True
+
+    def _unit_indices(self, remote: _Remote, msg: KVReady):
+        """(local, remote) indices into the prepared unit lists of a READ that is one descriptor per
+        unit (whole blocks block-major, slabs layer-major) either way: its blocks scattered (no two
+        consecutive in both caches), both caches laid out alike, and block-major every layer; None
+        otherwise (``coalesce`` then builds its list)."""
+        layout, l0, l1 = self.layout, msg.layer_start, msg.layer_end
+        if (
+            self._units is None
+            or remote.units is None
+            or remote.layout.block_major != layout.block_major
+            or (layout.block_major and not layout.whole(l0, l1))
+            or not _scattered(msg.src_block_ids, msg.dst_block_ids)
+        ):
+            return None
+        if layout.block_major:
+            return list(msg.dst_block_ids), list(msg.src_block_ids)
+        local = _slab_indices(msg.dst_block_ids, l0, l1, self.num_blocks)
+        return local, _slab_indices(msg.src_block_ids, l0, l1, remote.num_blocks)
 
     def _poll(self, read: _Read) -> bool:
         """Check one READ (and a packed one's scatter); True once it is over (and unpinned)."""
@@ -673,11 +701,12 @@ class NixlSenderPlane(SenderPlane):
     def register(self, kv: torch.Tensor) -> None:
         self.kv = kv
         self.slab_bytes = slab_bytes(kv)
+        self.layout = KVLayout.of(kv)
         self.gpu = gpu_uuid(kv)
         self.pool = StagePool(kv, self.options.staging)
         with _on_device(kv):
             self.agent = _agent("prefill", self.options)
-            self._registered = self.agent.register_memory(kv)  # the whole cache, once
+            self._registered = self.agent.register_memory(region_bytes(kv))  # the whole cache, once
             self._registered_pool = self.agent.register_memory(self.pool.buf)
             self.stream = torch.cuda.Stream(kv.device) if kv.is_cuda else None
 
@@ -687,6 +716,7 @@ class NixlSenderPlane(SenderPlane):
             agent=self.agent.name,
             metadata=self.agent.get_agent_metadata(),
             cache=(kv.data_ptr(), kv.shape[0], kv.shape[1], slab_bytes(kv), _device_id(kv)),
+            block_major=self.layout.block_major,
             mem=_mem_type(kv),
             stage=(self.pool.buf.data_ptr(), self.pool.buf.numel()),
         )
@@ -724,12 +754,13 @@ def packs(
     options: NixlOptions = NixlOptions(),
 ) -> bool:
     """Whether a send is packed into ``pieces`` staging slots rather than read in place: on CUDA,
-    when in place it would take more than ``descriptors_per_piece`` descriptors (one per layer and
-    run of blocks consecutive in both caches) for each piece. Never on the CPU (unless
-    ``pack_on_cpu``), where a descriptor costs little beside copying the bytes twice more."""
+    when in place it would take more than ``descriptors_per_piece`` descriptors (``num_regions``:
+    one per run of blocks consecutive in both caches, per layer and run layer-major) for each
+    piece. Never on the CPU (unless ``pack_on_cpu``), where a descriptor costs little beside
+    copying the bytes twice more."""
     if not (kv.is_cuda or options.pack_on_cpu):
         return False
-    descriptors = kv.shape[0] * len(block_runs(src_block_ids, dst_block_ids))
+    descriptors = num_regions(src_block_ids, dst_block_ids, 0, kv.shape[0], KVLayout.of(kv))
     return descriptors > options.descriptors_per_piece * pieces
 
 
@@ -784,8 +815,9 @@ class NixlSession(SenderSession):
         src, dst, num_layers = staged.block_ids, list(dst_block_ids), kv.shape[0]
         self._error = ""
         slab = plane.slab_bytes
-        # Per-layer events: chunks follow the layers as they finish; not on one GPU (the docstring).
-        layer_wise = len(staged.ready) > 1 and not self.same_gpu
+        # Per-layer events: chunks follow the layers as they finish; not on one GPU, nor out of a
+        # block-major cache (the docstring).
+        layer_wise = len(staged.ready) > 1 and not self.same_gpu and not plane.layout.block_major
         if kv.is_cuda or plane.options.pack_on_cpu:  # packing is considered (``packs``)
             chunk_bytes = plane.options.layer_chunk_bytes if layer_wise else 0
             pieces = stage_pieces(num_layers, len(dst), slab, plane.pool.slot_bytes, chunk_bytes)

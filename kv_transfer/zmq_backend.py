@@ -11,7 +11,9 @@ chunk of at most ``max_frame_bytes``, one message:
 
 * **runs** (a CPU cache whose blocks form runs of ``zero_copy_min_run_bytes`` or more per layer,
   consecutive in both caches, as in a cache that has not turned over): one payload frame per
-  (layer, run) pointing straight into the cache (``copy=False``): no copy on this side at all.
+  region (``run_regions``) pointing straight into the cache (``copy=False``): no copy on this
+  side at all. Out of an engine's block-major cache a frame is a run of every layer, and messages
+  are cut by blocks; out of a layer-major one a frame is a (layer, run), messages cut by layers.
   ZeroMQ's I/O thread reads the cache as it writes the socket, so each such frame is tracked, and
   a send that fails is only over (its blocks given back) once ZeroMQ let go of every frame.
 * **gathered** (short runs, or a CUDA cache): the chunk's blocks gathered into one of the session's
@@ -22,8 +24,8 @@ chunk of at most ``max_frame_bytes``, one message:
   page faults tripled its cost here (6.7 vs 2.1 ms, slower than loopback TCP).
 
 Receiver (the control thread): ZeroMQ reads each frame straight into its own buffer; the frame is
-copied into the reserved blocks under the reservation table's lock, one ``copy_`` per run of
-destination blocks consecutive in the cache (``index_copy_`` only for scattered ones), while the
+copied into the reserved blocks under the reservation table's lock, one ``copy_`` per region of
+destination blocks consecutive in the cache (one per block where they are not), while the
 I/O thread already reads the next message: one copy on this side, pipelined with the socket.
 Runs everywhere; the default on a CPU-only host.
 """
@@ -42,6 +44,7 @@ import torch
 import zmq
 
 from pdserve.kv_transfer.base import (
+    KVLayout,
     KVTransferError,
     ReservationTable,
     Staged,
@@ -50,6 +53,8 @@ from pdserve.kv_transfer.base import (
     gather_into,
     in_place,
     layer_chunks,
+    region_bytes,
+    run_regions,
     slab_bytes,
     valid_block_ids,
 )
@@ -123,6 +128,8 @@ class ZmqReceiverPlane(ReceiverPlane):
     ) -> None:
         self.kv, self.table = kv, table
         self.slab_bytes = slab_bytes(kv)
+        self.layout = KVLayout.of(kv)
+        self.region = region_bytes(kv)
 
     def setup(self, peer: bytes, msg: KVSetup) -> KVSetupReply:
         return KVSetupReply(ok=True, transport="zmq")
@@ -135,15 +142,53 @@ class ZmqReceiverPlane(ReceiverPlane):
             return "KV frame names invalid or repeated block ids"
         if msg.runs and (min(msg.runs) <= 0 or sum(msg.runs) != len(msg.block_ids)):
             return f"KV frame's runs {msg.runs[:8]} do not split its {len(msg.block_ids)} blocks"
+        if msg.runs and msg.block_major and not self.layout.whole(msg.layer_start, msg.layer_end):
+            return "KV frames of runs of a block-major cache must carry every layer"
+        if msg.runs and msg.block_major != self.layout.block_major:
+            layouts = ["layer-major", "block-major"]
+            return (
+                f"KV frames cut from a {layouts[msg.block_major]} cache for a "
+                f"{layouts[self.layout.block_major]} one"
+            )
         num_layers = msg.layer_end - msg.layer_start
         expected = num_layers * len(msg.block_ids) * self.slab_bytes
         if msg.nbytes != expected:
             return f"KV frame header says {msg.nbytes} bytes, expected {expected}"
-        sizes = [c * self.slab_bytes for c in msg.runs] * num_layers if msg.runs else [expected]
-        for frame, size in zip(payload, sizes, strict=True):
+        if msg.runs:
+            sizes = [sum(count for _, count in pieces) * self.slab_bytes for pieces in self._pieces(msg)]
+        else:
+            sizes = [expected]
+        if len(payload) != len(sizes):
+            return f"{len(payload)} KV frames, expected {len(sizes)}"
+        for frame, size in zip(payload, sizes):
             if len(frame.buffer) != size:
                 return f"KV frame of {len(frame.buffer)} bytes, expected {size}"
         return ""
+
+    def _pieces(self, msg: KVBlocks) -> list[list[tuple[int, int]]]:
+        """Per payload frame, in the order the sender cut them (``run_regions`` of its runs), the
+        (first slab, count) regions of this cache its bytes go to, in order: one where the run's
+        blocks are consecutive here too, else one per block."""
+        layout, l0, l1 = self.layout, msg.layer_start, msg.layer_end
+        groups, at = [], 0
+        for count in msg.runs:
+            groups.append(msg.block_ids[at : at + count])
+            at += count
+
+        def merged(units: list[tuple[int, int]]) -> list[tuple[int, int]]:
+            out: list[tuple[int, int]] = []
+            for start, count in units:
+                if out and out[-1][0] + out[-1][1] == start:
+                    out[-1] = (out[-1][0], out[-1][1] + count)
+                else:
+                    out.append((start, count))
+            return out
+
+        if layout.block_major:  # every layer (``_refusal``): a frame is a run
+            return [merged([(b * layout.num_layers, layout.num_layers) for b in ids]) for ids in groups]
+        return [
+            merged([(layout.index(layer, b), 1) for b in ids]) for layer in range(l0, l1) for ids in groups
+        ]
 
     def handle(self, peer: bytes, msg: KVBlocks, payload: Sequence) -> str:
         """Copy one message's payload into its reserved blocks; "" or why it was refused."""
@@ -151,30 +196,22 @@ class ZmqReceiverPlane(ReceiverPlane):
         if error:
             return error
         kv, l0, l1 = self.kv, msg.layer_start, msg.layer_end
-        tail = kv.shape[2:]
         if msg.runs:
-            groups, at = [], 0
-            for count in msg.runs:
-                ids = msg.block_ids[at : at + count]
-                groups.append((ids, ids[0] if _consecutive(ids) else -1))
-                at += count
+            pieces = self._pieces(msg)
+            slab, region = self.slab_bytes, self.region
 
             def copy() -> None:
-                frames = iter(payload)
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")  # the frames are read-only; we only read them
-                    for layer in range(l0, l1):
-                        for ids, first in groups:
-                            src = torch.frombuffer(next(frames).buffer, dtype=kv.dtype).view(len(ids), *tail)
-                            if first >= 0:
-                                kv[layer, first : first + len(ids)].copy_(src)
-                            else:
-                                _copy_into(kv[layer : layer + 1], ids, src.unsqueeze(0))
+                for frame, frame_pieces in zip(payload, pieces):
+                    src = _frombuffer(frame.buffer, torch.uint8, (len(frame.buffer),))
+                    at = 0
+                    for start, count in frame_pieces:
+                        region[start * slab : (start + count) * slab].copy_(src[at : at + count * slab])
+                        at += count * slab
 
         else:
 
             def copy() -> None:
-                src = _frombuffer(payload[0].buffer, kv.dtype, (l1 - l0, len(msg.block_ids), *tail))
+                src = _frombuffer(payload[0].buffer, kv.dtype, (l1 - l0, len(msg.block_ids), *kv.shape[2:]))
                 _copy_into(kv[l0:l1], msg.block_ids, src)
 
         error = self.table.write(msg.request_id, msg.block_ids, l0, l1, copy)
@@ -195,6 +232,23 @@ def _copy_into(layers: torch.Tensor, block_ids: Sequence[int], src: torch.Tensor
         layers[:, block_ids[0] : block_ids[0] + len(block_ids)].copy_(src)
     else:
         layers.index_copy_(1, block_index(block_ids, layers.device), src.to(layers.device))
+
+
+def _run_groups(runs: list[tuple[int, int, int]], block_bytes: int, options: ZmqOptions) -> list[list]:
+    """``runs`` (source, destination, count) cut into groups of at most ``max_frame_bytes`` of
+    blocks (at least one block each), a run split across groups where it does not fit."""
+    per_group = max(1, options.max_frame_bytes // block_bytes)
+    groups: list[list] = [[]]
+    room = per_group
+    for s, d, c in runs:
+        while c:
+            if not room:
+                groups.append([])
+                room = per_group
+            take = min(c, room)
+            groups[-1].append((s, d, take))
+            s, d, c, room = s + take, d + take, c - take, room - take
+    return groups
 
 
 class ZmqSenderPlane(SenderPlane):
@@ -255,24 +309,27 @@ class ZmqSession(SenderSession):
         chunks = layer_chunks(kv.shape[0], per_layer, options.max_frame_bytes)
         last = chunks[-1]
         if not kv.is_cuda and per_layer >= options.zero_copy_min_run_bytes * len(runs):
-            flat = kv.view(kv.shape[0], -1).view(torch.uint8).numpy()  # [L, NB * slab] bytes
-            counts = [c for _, _, c in runs]
-            for l0, l1 in chunks:
+            flat = region_bytes(kv).numpy()
+            layout = KVLayout.of(kv)
+            if layout.block_major:  # messages of whole blocks, every layer (a run is one frame)
+                parts = [(0, kv.shape[0], group) for group in _run_groups(runs, kv.shape[0] * slab, options)]
+            else:  # messages of layer chunks (a (layer, run) is one frame)
+                parts = [(l0, l1, runs) for l0, l1 in chunks]
+            for i, (l0, l1, group) in enumerate(parts):
                 frames = []
-                for layer in range(l0, l1):
-                    row = flat[layer]
-                    for s, _, c in runs:
-                        frame = zmq.Frame(row[s * slab : (s + c) * slab], track=True)
-                        self._trackers.append(frame.tracker)
-                        frames.append(frame)
+                for start, count in run_regions([(s, c) for s, _, c in group], l0, l1, layout):
+                    frame = zmq.Frame(flat[start * slab : (start + count) * slab], track=True)
+                    self._trackers.append(frame.tracker)
+                    frames.append(frame)
                 header = KVBlocks(
                     request_id,
-                    dst_block_ids,
+                    [d + k for _, d, c in group for k in range(c)],
                     l0,
                     l1,
-                    (l1 - l0) * per_layer,
-                    runs=counts,
-                    commit=commit if (l0, l1) == last else None,
+                    (l1 - l0) * sum(c for _, _, c in group) * slab,
+                    runs=[c for _, _, c in group],
+                    block_major=layout.block_major,
+                    commit=commit if i == len(parts) - 1 else None,
                 )
                 self.link.send([encode(header), *frames], deadline)
             return

@@ -99,12 +99,23 @@ def _write_case(num_tokens, num_kv_heads, head_dim, block_size, num_blocks, dtyp
     return key.to(DEVICE), value.to(DEVICE), slots.to(slot_dtype).to(DEVICE), cache.to(DEVICE)
 
 
+def layer_of_block_major(cache: torch.Tensor, num_layers: int = 3, layer: int = 1) -> torch.Tensor:
+    """``cache`` [NB, 2, BS, Hkv, D] as one layer's view of a block-major cache (an engine's:
+    ``kv_transfer.base.KVLayout``), strided by blocks; the other layers hold noise."""
+    whole = torch.randn(cache.shape[0], num_layers, *cache.shape[1:], device=cache.device).to(cache.dtype)
+    whole[:, layer] = cache
+    return whole.transpose(0, 1)[layer]
+
+
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32])
-def test_write_kv_matches_ref(block_size, dtype, slot_dtype):
+@pytest.mark.parametrize("block_major", [False, True], ids=["layer-view", "block-major-layer-view"])
+def test_write_kv_matches_ref(block_size, dtype, slot_dtype, block_major):
     key, value, slots, cache = _write_case(37, 3, 24, block_size, 5, dtype, slot_dtype, seed=block_size)
     cache = cache.to(dtype)
+    if block_major:
+        cache = layer_of_block_major(cache)
     expect = cache.clone()
     kv_write.write_kv_ref(key, value, expect, slots)
     kv_write.write_kv(key, value, cache, slots)
@@ -136,12 +147,16 @@ def test_write_kv_rejects_bad_layout():
 
 @pytest.mark.parametrize("split", [False, True], ids=["whole-region", "split-region"])
 @pytest.mark.parametrize("ids_dtype", [torch.int64, torch.int32])
-def test_block_copy_round_trip(monkeypatch, split, ids_dtype):
+@pytest.mark.parametrize("block_major", [False, True], ids=["layer-major", "block-major"])
+def test_block_copy_round_trip(monkeypatch, split, ids_dtype, block_major):
     if split:  # several programs per region, the last part partial (region = 2304 elements)
         monkeypatch.setattr(block_copy, "CHUNK", 512)
         monkeypatch.setattr(block_copy, "_num_programs_wanted", lambda device: 10_000)
     gen = torch.Generator().manual_seed(7)
-    cache = torch.randn(3, 11, 2, 16, 3, 24, generator=gen).to(DEVICE)  # [L, NB, 2, BS, Hkv, D]
+    if block_major:  # an engine's cache: [L, NB, 2, BS, Hkv, D] over [NB, L, ...] memory
+        cache = torch.randn(11, 3, 2, 16, 3, 24, generator=gen).to(DEVICE).transpose(0, 1)
+    else:
+        cache = torch.randn(3, 11, 2, 16, 3, 24, generator=gen).to(DEVICE)  # [L, NB, 2, BS, Hkv, D]
     ids = torch.tensor([9, 2, 5, 0, 10], dtype=ids_dtype, device=DEVICE)
     buffer = block_copy.gather_blocks(cache, ids)
     assert buffer.is_contiguous()
@@ -233,6 +248,16 @@ def test_mixed_batch_matches_ref(block_size, heads):
     q, cache, tables = make_batch(MIXED_SHAPES, *heads, 32, block_size, torch.float32, seed=heads[0])
     got, expect = run_both(MIXED_SHAPES, q, cache, tables)
     assert_close(got, expect)
+
+
+@pytest.mark.parametrize("heads", [(9, 3), (5, 1)], ids=lambda h: f"{h[0]}q{h[1]}kv")
+def test_layer_views_of_a_block_major_cache_match_ref(heads):
+    """An engine's cache is block-major: each layer's view is strided by blocks (``layer_of_block_major``)."""
+    for shapes, seed, kw in ((MIXED_SHAPES, 3, {}), (DECODE_SHAPES, 4, {"num_splits": 3})):
+        q, cache, tables = make_batch(shapes, *heads, 32, 16, torch.float32, seed=seed)
+        strided = layer_of_block_major(cache)
+        assert not strided.is_contiguous()
+        assert_close(*run_both(shapes, q, strided, tables, **kw))
 
 
 @pytest.mark.parametrize("block_size", [8, 64])
@@ -333,7 +358,20 @@ def test_gpu_write_kv_and_block_copy(block_size, dtype):
     kv_write.write_kv(key, value, cache, slots)
     assert torch.equal(cache, expect)
 
-    whole = torch.randn(4, 300, 2, block_size, 8, 128, device=DEVICE).to(dtype)
+    for whole in (
+        torch.randn(4, 300, 2, block_size, 8, 128, device=DEVICE).to(dtype),
+        torch.randn(300, 4, 2, block_size, 8, 128, device=DEVICE).to(dtype).transpose(0, 1),  # block-major
+    ):
+        _gpu_block_copy(whole)
+    key, value, slots, cache = _write_case(999, 8, 128, block_size, 200, dtype, torch.int64, seed=2)
+    cache = layer_of_block_major(cache.to(dtype), num_layers=4, layer=3)
+    expect = cache.clone()
+    kv_write.write_kv_ref(key, value, expect, slots)
+    kv_write.write_kv(key, value, cache, slots)
+    assert torch.equal(cache, expect)
+
+
+def _gpu_block_copy(whole: torch.Tensor) -> None:
     for n in (1, 3, 257):
         ids = torch.randperm(300, device=DEVICE)[:n]
         buffer = block_copy.gather_blocks(whole, ids)

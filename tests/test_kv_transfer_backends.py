@@ -42,6 +42,13 @@ def backend(name: str) -> str:
     return name.split("-")[0]
 
 
+def kv_cache(fill: bool, block_major: bool = True) -> torch.Tensor:
+    """A test cache [L, NB, 2, BS, H, D], block-major in memory as an engine's (``KVLayout``), or
+    layer-major."""
+    make = torch.randn if fill else torch.zeros
+    return make(NB, L, 2, BS, H, D).transpose(0, 1) if block_major else make(L, NB, 2, BS, H, D)
+
+
 FORCED: tuple = ()
 """Transport options for the senders and receivers this process makes (set per test below; a
 process spawned by a test starts with none, as it imports this module afresh)."""
@@ -80,8 +87,15 @@ def make_sender(name: str, src: torch.Tensor, options: tuple = (), **kw):
 class Receiver:
     """A receiver with its own cache and lease table, as a decode node holds them."""
 
-    def __init__(self, name: str, cluster_token: str = "", clock=time.time, options: tuple = ()) -> None:
-        self.dst = torch.zeros(L, NB, 2, BS, H, D)
+    def __init__(
+        self,
+        name: str,
+        cluster_token: str = "",
+        clock=time.time,
+        options: tuple = (),
+        block_major: bool = True,
+    ) -> None:
+        self.dst = kv_cache(fill=False, block_major=block_major)
         self.table = ReservationTable(L, clock=clock)
         self.commits: list[KVCommit] = []
         self.receiver = kv_transfer.create_receiver(
@@ -96,7 +110,7 @@ class Receiver:
 
 @pytest.fixture(params=BACKENDS)
 def pair(request):
-    src = torch.randn(L, NB, 2, BS, H, D)
+    src = kv_cache(fill=True)
     receiver = Receiver(request.param)
     sender = make_sender(request.param, src)
     yield src, receiver, sender
@@ -121,6 +135,34 @@ def test_blocks_land_in_reserved_slots(pair):
     assert sender.bytes_sent == r.receiver.bytes_received == 3 * L * r.dst[0, 0].numel() * 4
 
 
+@pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize("layouts", ["layer-major", "layer-major into block-major"])
+def test_caches_laid_out_otherwise_move_too(name, layouts):
+    """Caches laid out layer-major (a block is L pieces), and a layer-major sender with a
+    block-major receiver (where the transport can move between the two: nixl by descriptor, the
+    staged ways by gathered tensor; zmq and nccl frames or sends cut in place are refused),
+    land runs and scattered blocks where they were reserved."""
+    mixed = layouts != "layer-major"
+    src = kv_cache(fill=True, block_major=False)
+    r = Receiver(name, block_major=mixed)
+    sender = make_sender(name, src)
+    try:
+        sender.handshake(r.address, info("prefill-0"), 10)  # the transport agreed: its own way
+        r.table.add("r", [7, 8, 9, 2], time.time() + 10)
+        future = _send(sender, r.address, "r", [3, 4, 5, 11], [7, 8, 9, 2])
+        if mixed and name in ("nccl-direct",):
+            with pytest.raises(KVTransferError):
+                future.result()
+            return
+        assert future.result().ok
+        for s, d in zip([3, 4, 5, 11], [7, 8, 9, 2]):
+            assert torch.equal(r.dst[:, d], src[:, s])
+        assert r.dst[:, [b for b in range(NB) if b not in (7, 8, 9, 2)]].abs().sum() == 0
+    finally:
+        sender.close()
+        r.close()
+
+
 def test_chunked_sends_then_commit(pair):
     src, r, sender = pair
     r.table.add("r5", [3, 4, 6, 8, 10], time.time() + 10)
@@ -137,7 +179,7 @@ def test_sends_of_different_requests_spread_over_the_connections(name):
     one connection, different requests' over several where the plane lets sessions run side by
     side (NCCL and the modelled sim link take one); everything lands where it was reserved, in
     order, including a request whose first part left before the transport was agreed."""
-    src = torch.randn(L, NB, 2, BS, H, D)
+    src = kv_cache(fill=True)
     r = Receiver(name)
     sender = make_sender(name, src, connections=4)
     try:
@@ -183,7 +225,7 @@ def test_handshake_refuses_mismatch_by_name(pair, field, value, match):
 @pytest.mark.parametrize("name", BACKENDS)
 def test_handshake_refuses_wrong_cluster_token(name):
     r = Receiver(name, cluster_token="secret")
-    sender = make_sender(name, torch.randn(L, NB, 2, BS, H, D), cluster_token="guess")
+    sender = make_sender(name, kv_cache(fill=True), cluster_token="guess")
     try:
         with pytest.raises(KVTransferError, match="wrong cluster token"):
             sender.handshake(r.address, info("prefill-0"), 5)
@@ -274,7 +316,7 @@ def test_dead_address_times_out():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     for name in kv_transfer.available_transports():
-        sender = make_sender(name, torch.zeros(L, NB, 2, BS, H, D))
+        sender = make_sender(name, kv_cache(fill=False))
         start = time.monotonic()
         with pytest.raises(KVTransferError, match="no reply"):
             _send(sender, f"tcp://127.0.0.1:{port}", "r", [0], [0], timeout=0.5).result()
@@ -289,7 +331,7 @@ def test_sends_queued_for_a_dead_peer_all_fail_by_their_own_deadline():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    sender = make_sender("zmq", torch.zeros(L, NB, 2, BS, H, D), connections=1)
+    sender = make_sender("zmq", kv_cache(fill=False), connections=1)
     try:
         start = time.monotonic()
         sends = [_send(sender, f"tcp://127.0.0.1:{port}", f"r{i}", [0], [0], timeout=1.0) for i in range(4)]
@@ -314,7 +356,7 @@ def test_a_lease_renewal_counts_its_timeout_from_its_start_not_its_queueing():
 
 
 def _agree(sender_names: str, receiver_names: str) -> str:
-    src = torch.randn(L, NB, 2, BS, H, D)
+    src = kv_cache(fill=True)
     r = Receiver(receiver_names)
     sender = make_sender(sender_names, src)
     try:
@@ -381,25 +423,92 @@ def test_commit_refuses_kv_still_in_flight():
 
 @pytest.mark.parametrize("max_bytes", [0, 2 * 64, 3 * 64])
 def test_coalesce_runs_contiguous_on_both_sides(max_bytes):
-    from pdserve.kv_transfer.base import coalesce
+    from pdserve.kv_transfer.base import KVLayout, coalesce
 
     slab = 64  # bytes per (layer, block) slab; caches of 2 layers, 8 (source) and 6 (destination) blocks
-    src, dst, lengths = coalesce([3, 4, 5, 7], [0, 1, 2, 3], 0, 2, 8, 6, slab)
+
+    def lm(layers: int, blocks: int) -> KVLayout:
+        return KVLayout(layers, blocks, slab, block_major=False)
+
+    src, dst, lengths = coalesce([3, 4, 5, 7], [0, 1, 2, 3], 0, 2, lm(2, 8), lm(2, 6))
     # Per layer: 3,4,5 -> 0,1,2 is one run; 7 -> 3 is cut because 6 is skipped on the source side.
     assert (src // slab).tolist() == [3, 7, 11, 15] and (dst // slab).tolist() == [0, 3, 6, 9]
     assert (lengths // slab).tolist() == [3, 1, 3, 1]
     # Whole layers in order on both sides: one run across the layer boundary, cut by max_bytes.
-    src, dst, lengths = coalesce(range(8), range(8), 0, 2, 8, 8, slab, max_bytes)
+    src, dst, lengths = coalesce(range(8), range(8), 0, 2, lm(2, 8), lm(2, 8), max_bytes)
     pieces = max_bytes // slab if max_bytes else 16
     assert lengths.sum() == 16 * slab and lengths.max() == pieces * slab
     assert (src == dst).all() and src.tolist() == list(range(0, 16 * slab, pieces * slab))
     # Descending ids never merge.
-    src, dst, lengths = coalesce([5, 4], [1, 0], 0, 1, 8, 6, slab)
+    src, dst, lengths = coalesce([5, 4], [1, 0], 0, 1, lm(2, 8), lm(2, 6))
     assert (src // slab).tolist() == [5, 4] and (dst // slab).tolist() == [1, 0] and (lengths == slab).all()
     # A layer range: only layers [1, 3) of 4, offsets from the start of each cache.
-    src, dst, lengths = coalesce([2, 3], [0, 1], 1, 3, 8, 6, slab)
+    src, dst, lengths = coalesce([2, 3], [0, 1], 1, 3, lm(4, 8), lm(4, 6))
     assert (src // slab).tolist() == [10, 18] and (dst // slab).tolist() == [6, 12]
     assert (lengths // slab).tolist() == [2, 2]
+
+
+def test_block_major_caches_move_a_run_of_blocks_as_one_region():
+    """Block-major (the engine's caches): a run of blocks consecutive in both caches is one region
+    of every layer, a layer range one region per block; descriptors no longer grow with the layer
+    count (Llama-3-8B: 32 per run layer-major)."""
+    from pdserve.kv_transfer.base import KVLayout, coalesce, num_regions, run_regions
+
+    slab = 64
+
+    def bm(blocks: int) -> KVLayout:
+        return KVLayout(4, blocks, slab, block_major=True)
+
+    src, dst, lengths = coalesce([3, 4, 5, 7], [0, 1, 2, 3], 0, 4, bm(8), bm(6))
+    assert (src // slab).tolist() == [12, 28] and (dst // slab).tolist() == [0, 12]
+    assert (lengths // slab).tolist() == [12, 4]
+    assert num_regions([3, 4, 5, 7], [0, 1, 2, 3], 0, 4, bm(8)) == 2
+    src, dst, lengths = coalesce([3, 4], [0, 1], 1, 3, bm(8), bm(6))  # layers [1, 3): a block each
+    assert (src // slab).tolist() == [13, 17] and (dst // slab).tolist() == [1, 5]
+    assert (lengths // slab).tolist() == [2, 2]
+    src, dst, lengths = coalesce(range(8), range(8), 0, 4, bm(8), bm(8), 5 * slab)  # cut by max_bytes
+    assert (lengths // slab).tolist() == [5] * 6 + [2] and (src == dst).all()
+    assert run_regions([(3, 3), (7, 1)], 0, 4, bm(8)) == [(12, 12), (28, 4)]
+    assert run_regions([(3, 2)], 1, 3, bm(8)) == [(13, 2), (17, 2)]
+    assert run_regions([(3, 2)], 1, 3, KVLayout(4, 8, slab, False)) == [(11, 2), (19, 2)]
+
+
+@pytest.mark.parametrize("layouts", ["layer-major", "block-major", "mixed"])
+def test_coalesced_regions_move_exactly_the_blocks_asked(layouts):
+    """Copying ``coalesce``'s byte regions from one cache's memory into the other's moves layers
+    [l0, l1) of each source block into its destination block and touches nothing else, whatever
+    the two layouts (random block lists, runs and layer ranges)."""
+    import random
+
+    from pdserve.kv_transfer.base import KVLayout, coalesce, region_bytes
+
+    rng = random.Random(0)
+    L, tail = 5, (2, 2, 1, 3)
+
+    def cache(blocks: int, block_major: bool) -> torch.Tensor:
+        if block_major:
+            return torch.randn(blocks, L, *tail).transpose(0, 1)
+        return torch.randn(L, blocks, *tail)
+
+    for trial in range(40):
+        src_major = layouts == "block-major" or (layouts == "mixed" and trial % 2 == 0)
+        dst_major = layouts == "block-major" or (layouts == "mixed" and trial % 2 == 1)
+        src_kv, dst_kv = cache(12, src_major), cache(9, dst_major)
+        n = rng.randint(1, 6)
+        start = rng.randrange(0, 12 - n + 1)
+        src_ids = list(range(start, start + n)) if trial % 3 == 0 else rng.sample(range(12), n)
+        dst_ids = rng.sample(range(9), n)
+        if trial % 4 == 0:
+            dst_ids = sorted(dst_ids)
+        l0 = rng.randrange(0, L)
+        l1 = L if trial % 2 else rng.randrange(l0 + 1, L + 1)
+        expect = dst_kv.clone()
+        expect[l0:l1, dst_ids] = src_kv[l0:l1, src_ids]
+        offsets = coalesce(src_ids, dst_ids, l0, l1, KVLayout.of(src_kv), KVLayout.of(dst_kv), 3 * 48)
+        src_bytes, dst_bytes = region_bytes(src_kv), region_bytes(dst_kv)
+        for s, d, length in zip(*offsets):
+            dst_bytes[d : d + length] = src_bytes[s : s + length]
+        assert torch.equal(dst_kv, expect), (trial, src_ids, dst_ids, l0, l1)
 
 
 # -- across processes: a receiver killed, a receiver that stops answering, a sender killed -----------
@@ -445,7 +554,7 @@ def test_a_set_up_refusal_stops_the_sender_only_when_final(final, monkeypatch):
     """Only a refusal that asking again cannot change (no transport in common) is remembered for
     the peer; any other (a plane's set-up failed, the connection lost its handshake) fails that
     request, and the next one sets up afresh."""
-    src = torch.randn(L, NB, 2, BS, H, D)
+    src = kv_cache(fill=True)
     r = Receiver("zmq")
     sender = make_sender("zmq", src)
     setup = r.receiver._setup
@@ -504,7 +613,7 @@ def test_receiver_killed_fails_the_transfer_in_time(name):
     remote = Remote(_serve, name)
     assert remote.conn.poll(60)
     address = remote.conn.recv()
-    src = torch.randn(L, NB, 2, BS, H, D)
+    src = kv_cache(fill=True)
     sender = make_sender(name, src)
     try:
         remote.call("reserve", "ok", [1, 2], 60)
@@ -536,7 +645,7 @@ def test_receiver_that_stops_answering_times_out_and_recovers(name):
     remote = Remote(_serve, name)
     assert remote.conn.poll(60)
     address = remote.conn.recv()
-    src = torch.randn(L, NB, 2, BS, H, D)
+    src = kv_cache(fill=True)
     sender = make_sender(name, src)
     try:
         sender.handshake(address, info("prefill-0"), 10)
@@ -578,7 +687,7 @@ def test_sender_killed_mid_prompt_leaves_an_uncommitted_lease(name):
         assert r.table.expired() == ["half"] and r.commits == []
         r.table.release("half")
         # The receiver still serves a new sender.
-        src = torch.randn(L, NB, 2, BS, H, D)
+        src = kv_cache(fill=True)
         sender = make_sender(name, src)
         r.table.add("next", [1, 2], now[0] + 10)
         assert _send(sender, r.address, "next", [4, 5], [1, 2], timeout=10).result().ok
@@ -593,7 +702,7 @@ def test_sender_killed_mid_prompt_leaves_an_uncommitted_lease(name):
 def test_many_chunks_in_flight_stay_in_step(name):
     """One layer per chunk: nccl posts chunk k+1's recv before landing chunk k, nixl cuts its READ
     into descriptors of a few slabs; a refused chunk in the middle fails only its request."""
-    src = torch.randn(L, NB, 2, BS, H, D)
+    src = kv_cache(fill=True)
     region = src[0, 0].numel() * 4
     options = (
         dataclasses.replace(_forced(kv_transfer.NcclOptions), chunk_bytes=10 * region),
@@ -626,14 +735,15 @@ def test_nccl_moves_long_runs_in_place_and_gathers_fragments():
 
     assert block_runs([4, 5, 6, 9, 10], [0, 1, 2, 3, 4]) == [(4, 0, 3), (9, 3, 2)]
     assert block_runs([4, 5, 6], [0, 2, 3]) == [(4, 0, 1), (5, 2, 2)]
-    kv = torch.randn(L, NB, 2, BS, H, D)
+    kv = kv_cache(fill=True)
     slab = kv[0, 0].numel() * 4
     plane = nb.NcclSenderPlane()
     plane.register(kv)
     assert plane.stage(kv, [1, 2, 3, 4], [5, 6, 7, 8]).tensor is not None  # CPU: always staged
-    plane = nb.NcclSenderPlane(nb.NcclOptions(direct_on_cpu=True, direct_min_run_bytes=2 * slab))
+    # Block-major: a run is one region of its blocks' every layer (3 slabs a block here).
+    plane = nb.NcclSenderPlane(nb.NcclOptions(direct_on_cpu=True, direct_min_run_bytes=4 * slab))
     plane.register(kv)
-    assert plane.stage(kv, [1, 2, 3, 4], [5, 6, 7, 8]).tensor is None  # one run of 4 slabs per layer
-    assert plane.stage(kv, [1, 2, 3, 4], [5, 7, 9, 11]).tensor is not None  # four runs of one
+    assert plane.stage(kv, [1, 2, 3, 4], [5, 6, 7, 8]).tensor is None  # one region of 12 slabs
+    assert plane.stage(kv, [1, 2, 3, 4], [5, 7, 9, 11]).tensor is not None  # four of 3
     staged = plane.stage(kv, [1, 3], [0, 1])
     assert torch.equal(staged.tensor, kv[:, [1, 3]])

@@ -40,7 +40,7 @@ def _devices(name: str) -> tuple[str, str]:
 
 def _serve(name: str, device: str, conn) -> None:
     torch.cuda.set_device(device)
-    dst = torch.zeros(L, NB, 2, BS, H, D, dtype=DTYPE, device=device)
+    dst = torch.zeros(NB, L, 2, BS, H, D, dtype=DTYPE, device=device).transpose(0, 1)  # an engine's layout
     table = ReservationTable(L)
     commits: list[str] = []
     receiver = kv_transfer.create_receiver(name)
@@ -98,7 +98,7 @@ def gpu_pair(request):
     send_dev, recv_dev = _devices(name)
     torch.cuda.set_device(send_dev)
     remote = Remote(name, recv_dev)
-    src = torch.randn(L, NB, 2, BS, H, D, device=send_dev).to(DTYPE)
+    src = torch.randn(NB, L, 2, BS, H, D, device=send_dev).to(DTYPE).transpose(0, 1)  # block-major
     sender = kv_transfer.create_sender(name, options=options)
     sender.register_kv_cache(src)
     yield name, src, remote, sender
@@ -166,7 +166,7 @@ def test_auto_agrees_on_nixl_or_nccl():
     assert want in ("nixl", "nccl")
     torch.cuda.set_device("cuda:0")
     remote = Remote("auto", "cuda:1")
-    src = torch.randn(L, NB, 2, BS, H, D, device="cuda:0").to(DTYPE)
+    src = torch.randn(NB, L, 2, BS, H, D, device="cuda:0").to(DTYPE).transpose(0, 1)
     sender = kv_transfer.create_sender("auto")
     sender.register_kv_cache(src)
     try:

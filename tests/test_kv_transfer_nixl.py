@@ -36,19 +36,29 @@ def info(node_id: str, shape: tuple) -> NodeInfo:
     return NodeInfo(node_id, "decode", "m", "float32", block, layers, heads, dim, "LNB2SHD", "", "", 64, 100)
 
 
-def cache(shape: tuple, num_blocks: int, fill: bool) -> torch.Tensor:
+def cache(shape: tuple, num_blocks: int, fill: bool, block_major: bool = True) -> torch.Tensor:
+    """[L, NB, 2, BS, H, D], block-major in memory as an engine's cache (``KVLayout``), or layer-major."""
     layers, heads, block, dim = shape
-    dims = (layers, num_blocks, 2, block, heads, dim)
-    return torch.randn(dims) if fill else torch.zeros(dims)
+    make = torch.randn if fill else torch.zeros
+    if block_major:
+        return make(num_blocks, layers, 2, block, heads, dim).transpose(0, 1)
+    return make(layers, num_blocks, 2, block, heads, dim)
 
 
 class Pair:
     """A nixl receiver (decode) and sender (prefill) in this process, each with its own cache."""
 
-    def __init__(self, shape: tuple, src_blocks: int, dst_blocks: int, options: tuple = ()) -> None:
+    def __init__(
+        self,
+        shape: tuple,
+        src_blocks: int,
+        dst_blocks: int,
+        options: tuple = (),
+        layouts: str = "block-major",
+    ) -> None:
         self.shape = shape
-        self.src = cache(shape, src_blocks, fill=True)
-        self.dst = cache(shape, dst_blocks, fill=False)
+        self.src = cache(shape, src_blocks, fill=True, block_major=layouts != "layer-major")
+        self.dst = cache(shape, dst_blocks, fill=False, block_major=layouts == "block-major")
         self.table = ReservationTable(shape[0])
         self.commits: list[str] = []
         self.receiver = kv_transfer.create_receiver("nixl", options=options)
@@ -70,8 +80,9 @@ class Pair:
 
 
 @nixl_only
-def test_non_contiguous_ids_and_caches_of_different_sizes():
-    pair = Pair(SMALL, src_blocks=16, dst_blocks=40)
+@pytest.mark.parametrize("layouts", ["block-major", "layer-major", "block-major into layer-major"])
+def test_non_contiguous_ids_and_caches_of_different_sizes(layouts):
+    pair = Pair(SMALL, src_blocks=16, dst_blocks=40, layouts=layouts)
     try:
         # Runs on both sides, runs on one side only, descending ids, a jump across the cache.
         src_ids = [0, 1, 2, 5, 6, 9, 8, 15, 3]
@@ -203,13 +214,16 @@ def test_packed_sends_larger_than_the_staging_pools():
 
     slab = 2 * SMALL[2] * SMALL[1] * SMALL[3] * 4
     staging = StagingOptions(num_slots=2, slot_bytes=5 * slab)  # 5 blocks of one layer
-    kv = cache(SMALL, 64, fill=False)  # 3 layers
+    kv = cache(SMALL, 64, fill=False, block_major=False)  # 3 layers, layer-major
     options = nb.NixlOptions(descriptors_per_piece=3, staging=staging)
     assert not nb.packs(kv, [4, 9, 2], [0, 1, 2], 1, options)  # DRAM: in place
     options = dataclasses.replace(options, pack_on_cpu=True)  # as on CUDA: packed when in place takes many
     assert nb.packs(kv, [4, 9, 2], [0, 1, 2], 1, options)  # 9 descriptors in place > 3 for 1 piece
     assert not nb.packs(kv, [4, 9, 2], [0, 1, 2], 5, options)
     assert not nb.packs(kv, [1, 2, 3], [5, 6, 7], 1, options)  # one run: 3 descriptors
+    kv = cache(SMALL, 64, fill=False)  # block-major: a descriptor per run of every layer
+    assert not nb.packs(kv, [4, 9, 2], [0, 1, 2], 1, options)  # 3 descriptors
+    assert nb.packs(kv, [4, 9, 2, 7], [0, 1, 2, 3], 1, options)  # 4 > 3
     options = (dataclasses.replace(options, descriptors_per_piece=0),)  # always packed from here
     pair = Pair(SMALL, src_blocks=64, dst_blocks=64, options=options)
     try:
@@ -775,14 +789,16 @@ def test_without_prepared_lists_scattered_blocks_are_read_by_lists_built_per_rea
     def refuse(*args):
         raise RuntimeError("no strided lists here")
 
+    LAYOUT = nb.KVLayout(2, 4, 8, block_major=False)
+
     assert (
-        nb._prepared(types.SimpleNamespace(prep_xfer_dlist=refuse), "x", nb._slab_array(1, 4, 8, 0), "DRAM")
+        nb._prepared(types.SimpleNamespace(prep_xfer_dlist=refuse), "x", nb._unit_array(1, LAYOUT, 0), "DRAM")
         is None
     )
     pair = Pair(SMALL, src_blocks=16, dst_blocks=16)
     try:
         plane = pair.receiver.planes["nixl"]
-        plane._slabs = None
+        plane._units = None
         pair.table.add("built", [6, 1, 12], time.time() + 30)
         assert pair.send("built", [3, 9, 0], [6, 1, 12]).result().ok
         assert torch.equal(pair.dst[:, [6, 1, 12]], pair.src[:, [3, 9, 0]])
@@ -814,6 +830,7 @@ def test_layer_chunks_follow_the_forward_except_when_both_caches_share_a_gpu(sam
     sent: list = []
     plane = types.SimpleNamespace(
         kv=kv,
+        layout=nb.KVLayout.of(kv),
         slab_bytes=slab_bytes(kv),
         options=nb.NixlOptions(layer_chunk_bytes=2 * 2 * slab_bytes(kv)),
         progress=None,

@@ -159,6 +159,64 @@ def test_runs_go_out_of_the_cache_in_place_and_land_in_their_blocks(in_place_pai
     assert len(session._trackers) == L * 3  # one tracked frame per (layer, run)
 
 
+def _block_major(make, blocks: int = NB) -> torch.Tensor:
+    return make(blocks, L, 2, BS, H, D).transpose(0, 1)  # an engine's cache (``KVLayout``)
+
+
+def test_block_major_runs_go_out_as_one_frame_of_every_layer_and_land_in_their_blocks():
+    """Out of a block-major cache (an engine's), a run is one frame of all its layers, and messages
+    are cut by blocks (a run split where a message is full); they land in a block-major cache,
+    blocks consecutive there or not; frames cut from a cache laid out otherwise are refused."""
+    src, dst = _block_major(torch.randn), _block_major(torch.zeros)
+    table = ReservationTable(L)
+    commits: list[KVCommit] = []
+    receiver = create_receiver("zmq")
+    receiver.register_kv_cache(dst)
+    address = receiver.start(info("decode-0"), table, commits.append)
+    sender = create_sender("zmq", options=[IN_PLACE])  # messages of at most 2 blocks of 3 layers
+    sender.register_kv_cache(src)
+    try:
+        src_ids, dst_ids = [0, 1, 2, 5, 9, 10], [7, 8, 9, 2, 3, 4]  # runs of 3, 1 and 2
+        sender.handshake(address, info("p"), 5)
+        table.add("run", dst_ids, time.time() + 10)
+        ack = sender.send(address, info("p"), "run", src_ids, dst_ids, KVCommit("run", 4), 5).result()
+        assert ack.ok and [c.request_id for c in commits] == ["run"]
+        for s, d in zip(src_ids, dst_ids):
+            assert torch.equal(dst[:, d], src[:, s])
+        assert dst[:, [b for b in range(NB) if b not in dst_ids]].abs().sum() == 0
+        # Runs of 2+1, then 1, then 2 blocks (the run of 3 split across two messages): 4 frames.
+        assert len(sender._peers[address].session._trackers) == 4
+    finally:
+        sender.close()
+    from pdserve.kv_transfer.messages import KVAck, KVBlocks
+    from pdserve.messages import decode, encode
+
+    payload = torch.randn(3, L, 2, BS, H, D)  # blocks 3, 4, 5 of a block-major cache: one region
+    for block_major, ok in ((True, True), (False, False)):
+        rid = f"raw-{block_major}"
+        table.add(rid, [0, 6, 11], time.time() + 10)  # not consecutive here: block by block
+        sock = _raw(address)
+        try:
+            header = KVBlocks(rid, [0, 6, 11], 0, L, 3 * L * SLAB, runs=[3], block_major=block_major)
+            if block_major:  # the run, every layer: one frame
+                frames = [payload.numpy().tobytes()]
+            else:  # the run cut layer by layer, as out of a layer-major cache
+                frames = [payload[:, layer].numpy().tobytes() for layer in range(L)]
+            sock.send_multipart([encode(header), *frames])
+            sock.send(encode(KVCommit(rid, first_token=1)))
+            assert sock.poll(5000)
+            ack = decode(sock.recv(), KVAck)
+        finally:
+            sock.close(linger=0)
+        assert ack.ok == ok, ack.error
+        if ok:
+            for i, block in enumerate([0, 6, 11]):
+                assert torch.equal(dst[:, block], payload[i])
+        else:
+            assert "cut from a layer-major cache for a block-major one" in ack.error
+    receiver.close()
+
+
 def test_a_failed_in_place_send_ends_only_once_zmq_let_go_of_the_cache():
     """A send whose peer never answers fails at its timeout; the socket is closed, then the session
     waits until ZeroMQ let go of every frame pointing into the cache before the send's blocks are

@@ -45,6 +45,7 @@ import time
 import torch
 
 from pdserve.config import cpu_count
+from pdserve.kv_transfer.base import region_bytes
 
 SHAPES = {
     # layers, KV heads, head dim, block size, dtype
@@ -69,11 +70,12 @@ def _bytes_per_block(shape: tuple) -> int:
 
 
 def _cache(shape: tuple, num_blocks: int, device: str, fill: bool) -> torch.Tensor:
+    """[L, NB, 2, BS, Hkv, D], block-major in memory as an engine allocates it (``KVLayout``)."""
     layers, heads, head_dim, block, dtype = shape
-    dims = (layers, num_blocks, 2, block, heads, head_dim)
+    dims = (num_blocks, layers, 2, block, heads, head_dim)
     if fill:
-        return torch.randn(dims, device=device).to(getattr(torch, dtype))
-    return torch.zeros(dims, dtype=getattr(torch, dtype), device=device)
+        return torch.randn(dims, device=device).to(getattr(torch, dtype)).transpose(0, 1)
+    return torch.zeros(dims, dtype=getattr(torch, dtype), device=device).transpose(0, 1)
 
 
 def _sync(device: str) -> None:
@@ -206,7 +208,7 @@ def _receiver(
             remote_name, address_remote, dev, mem = nixl_remote
             start = time.perf_counter()
             here = max(buf.get_device(), 0)
-            if isinstance(piece, tuple):  # pdserve's READ of blocks 0..n-1: one descriptor a layer
+            if isinstance(piece, tuple):  # blocks 0..n-1 of a layer-major cache: one descriptor a layer
                 layers, src_blocks, n, slab = piece
                 local = [(buf.data_ptr() + i * n * slab, n * slab, here) for i in range(layers)]
                 source = [(address_remote + i * src_blocks * slab, n * slab, dev) for i in range(layers)]
@@ -569,7 +571,7 @@ def run(args: argparse.Namespace) -> dict:
     if cuda:
         torch.cuda.set_device(send_dev)
     src = _cache(shape, max_blocks, send_dev, fill=True)
-    flat = src.view(-1).view(torch.uint8)
+    flat = region_bytes(src)
 
     def connected(name: str, options):
         sender = kv_transfer.create_sender(name, options=[options])
@@ -670,7 +672,7 @@ def run(args: argparse.Namespace) -> dict:
             # of Llama-3-8B), and WRITE by the sender (then a ping, so the receiver knows, as a READ's
             # reply tells the sender).
             pieces = [("raw_nixl_read", 0), ("raw_nixl_read_2mib", 2 << 20)]
-            if cuda:  # the READ pdserve makes of blocks 0..n-1 in place, raw: one descriptor a layer
+            if cuda:  # blocks 0..n-1 READ as out of a layer-major cache, raw: one descriptor a layer
                 pieces.append(("raw_nixl_read_layers", (shape[0], max_blocks, n, block_bytes // shape[0])))
             for label, piece in pieces:
                 runs[label] = functools.partial(
@@ -801,11 +803,13 @@ def run(args: argparse.Namespace) -> dict:
         "at the sender's request and timed by the sender to the receiver's answer (over a "
         "multiprocessing pipe); raw_nixl_read_op: the same READ timed inside the receiver, the "
         "operation alone; "
-        "(_2mib: the region in 2 MiB descriptors; _layers, on CUDA: the READ pdserve makes in place of "
-        "blocks 0..n-1, one descriptor per layer, raw); raw_nixl_write: one NIXL WRITE of it by the sender, "
+        "(_2mib: the region in 2 MiB descriptors; _layers, on CUDA: blocks 0..n-1 READ as out of a "
+        "layer-major cache, one descriptor per layer, raw); raw_nixl_write: one NIXL WRITE of it by "
+        "the sender, "
         "then a ping to the receiver; raw_copy (--same-gpu): one device copy of the bytes; "
-        "pdserve_nixl_inplace / _packed: nixl forced to READ the blocks in place (one descriptor per run "
-        "and layer) or to pack them into staging slots (gather, one READ a slot, scatter); pdserve_nixl: the "
+        "pdserve_nixl_inplace / _packed: nixl forced to READ the blocks in place (one descriptor per run: "
+        "the caches are block-major, as an engine's) or to pack them into staging slots (gather, one "
+        "READ a slot, scatter); pdserve_nixl: the "
         "way it picks (NixlOptions.descriptors_per_piece); "
         "raw_tcp: one persistent socket, sendall out of the source cache into recv_into a preallocated "
         "buffer, then a one-byte reply. Each size runs once to warm up, then `repeats` times: GB/s = "

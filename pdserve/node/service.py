@@ -23,7 +23,7 @@ if TYPE_CHECKING:  # the node process does not need the engine: it runs in the c
     from pdserve.engine.llm_engine import LLMEngine
     from pdserve.engine.outputs import EngineLoad, RequestOutput
 
-KV_LAYOUT = "L,NB,2,BS,Hkv,D"
+KV_LAYOUT = "L,NB,2,BS,Hkv,D block-major"
 
 
 def node_info(engine: LLMEngine, node: NodeConfig, role: Role, transport: str, kv_address: str) -> NodeInfo:

@@ -111,9 +111,9 @@ class SimModelRunner:
         """Nothing to compile: the simulated device runs no kernels."""
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        self.kv_cache = torch.zeros(
-            self.arch.num_layers, num_blocks, 2, 1, 1, 1, dtype=self.config.torch_dtype
-        )
+        self.kv_cache = torch.zeros(  # block-major, as the real runner's
+            num_blocks, self.arch.num_layers, 2, 1, 1, 1, dtype=self.config.torch_dtype
+        ).transpose(0, 1)
 
     def execute(
         self,
