@@ -688,9 +688,12 @@ def test_the_ack_frees_the_staging_slots_of_reads_not_reported_one_by_one():
 def test_a_send_is_one_message_each_way(order):
     """The commit rides in the send's last KVReady: a one-piece send is one message to the decode
     node and one (the ack) back, with no READ's report; scattered blocks READ by index from the
-    descriptor lists prepared once per session, runs of blocks from lists built per READ."""
+    descriptor lists prepared once per session, runs of more blocks than ``prepared_max_blocks``
+    from lists built per READ."""
     options = (
-        (kv_transfer.NixlOptions(pack_on_cpu=True, descriptors_per_piece=0),) if order == "packed" else ()
+        (kv_transfer.NixlOptions(pack_on_cpu=True, descriptors_per_piece=0),)
+        if order == "packed"
+        else (kv_transfer.NixlOptions(prepared_max_blocks=2),)
     )
     pair = Pair(SMALL, src_blocks=16, dst_blocks=32, options=options)
     try:
@@ -723,8 +726,12 @@ def test_a_send_is_one_message_each_way(order):
         assert torch.equal(pair.dst[:, dst], pair.src[:, src]) and pair.commits == ["one"]
         if order == "in place, scattered":
             assert prepped == [1] and built == []
-        elif order == "in place, runs":
+        elif order == "in place, runs":  # 3 blocks: more than 2
             assert prepped == [] and built == [1]
+            pair.table.add("two", [20, 21], time.time() + 30)  # a run of 2: by index
+            assert pair.send("two", [7, 8], [20, 21]).result().ok
+            assert prepped == [1] and built == [1]
+            assert torch.equal(pair.dst[:, [20, 21]], pair.src[:, [7, 8]])
     finally:
         pair.close()
 
