@@ -709,7 +709,27 @@ class ControlSender(KVSender):
     def handshake(self, address: str, info: NodeInfo, timeout: float) -> NodeInfo:
         fut: Future = Future()
         self._peer(address).jobs.put(_Job(info, "", None, [], None, timeout, fut))
-        return fut.result()
+        reply = fut.result()
+        self._open_lanes(address, info, timeout)
+        return reply
+
+    def _open_lanes(self, address: str, info: NodeInfo, timeout: float) -> None:
+        """Open the peer's other connections now, each its handshake and set-up in its own thread,
+        rather than at the first send a request's id hashes to one: that send paid them (P/D on one
+        H200 at 512 tokens: TTFT p90 64 ms against a p50 of 25, the first request on each new
+        connection). Where the agreed plane takes one session per pair, there are none."""
+        with self._lock:
+            first = self._peers.get(address)
+            plane = self.planes.get(first.transport) if first is not None else None
+            if self.connections == 1 or plane is None or not plane.concurrent_sessions:
+                return
+            more = self._more.setdefault(address, [])
+            opened = []
+            while len(more) < self.connections - 1:
+                more.append(_Peer(self, address))
+                opened.append(more[-1])
+        for peer in opened:  # a lane that fails here starts afresh at its first send
+            peer.jobs.put(_Job(info, "", None, [], None, timeout, Future()))
 
     def send(
         self,

@@ -173,6 +173,27 @@ def test_chunked_sends_then_commit(pair):
         assert torch.equal(r.dst[:, d], src[:, s])
 
 
+def test_a_handshake_opens_every_connection_to_its_peer():
+    """The first handshake with a peer opens the sender's other connections to it at once (each
+    its own handshake and set-up), so no request's first send over one pays for them."""
+    r = Receiver("zmq")
+    sender = make_sender("zmq", kv_cache(fill=True), connections=3)
+    try:
+        sender.handshake(r.address, info("prefill-0"), 10)
+        lanes = sender._more[r.address]
+        assert len(lanes) == 2
+        deadline = time.monotonic() + 10
+        while any(lane.transport != "zmq" for lane in lanes) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [lane.transport for lane in lanes] == ["zmq", "zmq"]
+        r.table.add("r", [1, 2], time.time() + 10)
+        assert _send(sender, r.address, "r", [3, 4], [1, 2]).result().ok
+        assert len(sender._more[r.address]) == 2  # no more opened
+    finally:
+        sender.close()
+        r.close()
+
+
 @pytest.mark.parametrize("name", BACKENDS)
 def test_sends_of_different_requests_spread_over_the_connections(name):
     """With ``connections``, each request's parts (a chunk, then the rest with the commit) go over
