@@ -669,7 +669,7 @@ class ControlSender(KVSender):
         self._peers: dict[str, _Peer] = {}
         """Each peer's first connection: handshakes, lease renewals, and every send until a plane that
         lets sessions run side by side is agreed on it."""
-        self._more: dict[str, list[_Peer]] = {}  # each peer's other connections, opened on first use
+        self._more: dict[str, list[_Peer]] = {}  # each peer's other connections (``_open_lanes``)
         self._routed: collections.OrderedDict[str, _Peer] = collections.OrderedDict()
         """Requests sent in parts, until their commit: the connection their first part took (the
         choice of connection changes once the first one agrees on a plane)."""
