@@ -84,10 +84,11 @@ each sender's cache at set-up, as one NIXL descriptor list (``prep_xfer_dlist``,
 each, ``_unit_array``: block-major, descriptor ``block`` is that block's every layer; layer-major,
 descriptor ``layer * NB + block`` is that slab), and a READ of blocks of which no two are
 consecutive in both caches (one block, or a cache that has turned over; block-major, of every
-layer) is made from those lists by index (``make_prepped_xfer``): no list is built per READ. Runs
-of blocks consecutive in both caches still get one descriptor per run (per (layer, run)
-layer-major), built per READ (``coalesce``, ``initialize_xfer``): a prepared list fixes each
-descriptor's length.
+layer), and block-major any READ of at most ``prepared_max_blocks`` blocks, is made from those
+lists by index (``make_prepped_xfer``): no list is built for it, which on CUDA IPC costs more than
+a few dozen prepared descriptors. Longer runs of blocks consecutive in both caches get one
+descriptor per run (per (layer, run) layer-major), built per READ (``coalesce``,
+``initialize_xfer``): a prepared list fixes each descriptor's length.
 """
 
 from __future__ import annotations
@@ -575,8 +576,8 @@ class NixlReceiverPlane(ReceiverPlane):
                 at = remote.stage_address + msg.src_offset
                 source = np.array([[at, nbytes, remote.device]], dtype=np.uint64)
             elif (indices := self._unit_indices(remote, msg)) is not None:
-                # No two blocks consecutive in both caches: one descriptor per unit either way, taken
-                # by index from the lists prepared once (no list built per READ).
+                # One descriptor per unit, taken by index from the lists prepared once (no list built
+                # for the READ): scattered blocks, or few (``_unit_indices``).
                 nbytes = self._packed_bytes(msg)
                 local, source = indices
                 handle = self.agent.make_prepped_xfer("READ", self._units, local, remote.units, source)

@@ -142,7 +142,7 @@ def calibrate(
 
 # NVLink between two H200s (kv_transfer_h200x2.json, nixl): the only two-GPU link measured; the H100
 # preset uses it too (its own file measures two processes on one GPU, not a link).
-_NVLINK = LinkModel(latency_s=0.0015498069950208037, gbps=348.6267632407906)
+_NVLINK = LinkModel(latency_s=0.0008009968308478892, gbps=257.0159795393923)
 
 PRESETS: dict[str, SimCalibration] = {
     "h100": SimCalibration(
