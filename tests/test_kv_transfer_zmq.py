@@ -192,6 +192,18 @@ def test_block_major_runs_go_out_as_one_frame_of_every_layer_and_land_in_their_b
     from pdserve.messages import decode, encode
 
     payload = torch.randn(3, L, 2, BS, H, D)  # blocks 3, 4, 5 of a block-major cache: one region
+    table.add("part", [0, 6, 11], time.time() + 10)
+    sock = _raw(address)
+    try:  # a run of a block-major cache is every layer of it: a layer range cannot be cut so
+        header = KVBlocks("part", [0, 6, 11], 1, L, 3 * (L - 1) * SLAB, runs=[3], block_major=True)
+        sock.send_multipart([encode(header), payload[:, 1:].numpy().tobytes()])
+        sock.send(encode(KVCommit("part", first_token=1)))
+        assert sock.poll(5000)
+        ack = decode(sock.recv(), KVAck)
+    finally:
+        sock.close(linger=0)
+    assert not ack.ok and "must carry every layer" in ack.error
+    table.release("part")
     for block_major, ok in ((True, True), (False, False)):
         rid = f"raw-{block_major}"
         table.add(rid, [0, 6, 11], time.time() + 10)  # not consecutive here: block by block
