@@ -319,6 +319,10 @@ def offer(
         cmd += ["--num-prompts", str(share), "--request-rate", f"{rate / clients:g}", "--seed", str(k)]
         cmd += ["--slo-ttft-ms", str(args.slo_ttft_ms), "--slo-tpot-ms", str(args.slo_tpot_ms)]
         cmd += ["--request-timeout-s", "120", "--disable-tqdm", "--label", tag, "--output-json", str(out)]
+        if not args.model.startswith("sim:"):
+            # A random model's ids mostly lie past its tokenizer's vocabulary: no text, so no chunk
+            # would mark a token and no TTFT be measured (``logprobs: 0`` makes one a step).
+            cmd += ["--extra-body", '{"logprobs": 0}']
         procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
     errs = [proc.communicate()[1] for proc in procs]
     ended = os.times()
