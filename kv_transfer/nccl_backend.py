@@ -529,7 +529,7 @@ class NcclSenderPlane(SenderPlane):
         """In place when the blocks form long runs in both caches (each layer chunk's sends then
         wait on the GPU for that chunk's layer event), else gathered on the cache's device once
         everything queued so far is done."""
-        regions = num_regions(block_ids, dst_block_ids, 0, kv.shape[0], KVLayout.of(kv))
+        regions = num_regions(block_ids, dst_block_ids, 0, kv.shape[0], self.layout)
         nbytes = kv.shape[0] * len(block_ids) * slab_bytes(kv)
         if direct_allowed(kv, self.options) and nbytes >= self.options.direct_min_run_bytes * regions:
             return in_place(kv, block_ids, layer_events)  # kept unchanged until the send is over

@@ -134,7 +134,27 @@ class ZmqReceiverPlane(ReceiverPlane):
     def setup(self, peer: bytes, msg: KVSetup) -> KVSetupReply:
         return KVSetupReply(ok=True, transport="zmq")
 
-    def _refusal(self, msg: KVBlocks, payload: Sequence) -> str:
+    def _refusal(self, msg: KVBlocks, payload: Sequence) -> tuple[str, list]:
+        """Why ``msg`` is refused ("" when it is not), and with ``runs`` the pieces its frames go to
+        (``_pieces``), computed once."""
+        error, pieces = self._check(msg), []
+        if error:
+            return error, pieces
+        expected = (msg.layer_end - msg.layer_start) * len(msg.block_ids) * self.slab_bytes
+        if msg.runs:
+            pieces = self._pieces(msg)
+            sizes = [sum(count for _, count in frame) * self.slab_bytes for frame in pieces]
+        else:
+            sizes = [expected]
+        if len(payload) != len(sizes):
+            return f"{len(payload)} KV frames, expected {len(sizes)}", pieces
+        for frame, size in zip(payload, sizes):
+            if len(frame.buffer) != size:
+                return f"KV frame of {len(frame.buffer)} bytes, expected {size}", pieces
+        return "", pieces
+
+    def _check(self, msg: KVBlocks) -> str:
+        """The header's own refusals: layers, blocks, runs, layouts and byte count."""
         kv = self.kv
         if not 0 <= msg.layer_start < msg.layer_end <= kv.shape[0]:
             return f"layer range [{msg.layer_start}, {msg.layer_end}) outside [0, {kv.shape[0]})"
@@ -150,19 +170,9 @@ class ZmqReceiverPlane(ReceiverPlane):
                 f"KV frames cut from a {layouts[msg.block_major]} cache for a "
                 f"{layouts[self.layout.block_major]} one"
             )
-        num_layers = msg.layer_end - msg.layer_start
-        expected = num_layers * len(msg.block_ids) * self.slab_bytes
+        expected = (msg.layer_end - msg.layer_start) * len(msg.block_ids) * self.slab_bytes
         if msg.nbytes != expected:
             return f"KV frame header says {msg.nbytes} bytes, expected {expected}"
-        if msg.runs:
-            sizes = [sum(count for _, count in pieces) * self.slab_bytes for pieces in self._pieces(msg)]
-        else:
-            sizes = [expected]
-        if len(payload) != len(sizes):
-            return f"{len(payload)} KV frames, expected {len(sizes)}"
-        for frame, size in zip(payload, sizes):
-            if len(frame.buffer) != size:
-                return f"KV frame of {len(frame.buffer)} bytes, expected {size}"
         return ""
 
     def _pieces(self, msg: KVBlocks) -> list[list[tuple[int, int]]]:
@@ -192,12 +202,11 @@ class ZmqReceiverPlane(ReceiverPlane):
 
     def handle(self, peer: bytes, msg: KVBlocks, payload: Sequence) -> str:
         """Copy one message's payload into its reserved blocks; "" or why it was refused."""
-        error = self._refusal(msg, payload)
+        error, pieces = self._refusal(msg, payload)
         if error:
             return error
         kv, l0, l1 = self.kv, msg.layer_start, msg.layer_end
         if msg.runs:
-            pieces = self._pieces(msg)
             slab, region = self.slab_bytes, self.region
 
             def copy() -> None:
@@ -259,6 +268,8 @@ class ZmqSenderPlane(SenderPlane):
 
     def register(self, kv: torch.Tensor) -> None:
         self.kv = kv
+        self.layout = KVLayout.of(kv)
+        self.flat = region_bytes(kv).numpy() if not kv.is_cuda else None  # in-place frames' source
 
     def stage(
         self,
@@ -309,8 +320,7 @@ class ZmqSession(SenderSession):
         chunks = layer_chunks(kv.shape[0], per_layer, options.max_frame_bytes)
         last = chunks[-1]
         if not kv.is_cuda and per_layer >= options.zero_copy_min_run_bytes * len(runs):
-            flat = region_bytes(kv).numpy()
-            layout = KVLayout.of(kv)
+            flat, layout = self.plane.flat, self.plane.layout
             if layout.block_major:  # messages of whole blocks, every layer (a run is one frame)
                 parts = [(0, kv.shape[0], group) for group in _run_groups(runs, kv.shape[0] * slab, options)]
             else:  # messages of layer chunks (a (layer, run) is one frame)
