@@ -157,10 +157,10 @@ def _receiver(
             rid, n = arg
             table.add(rid, list(range(n)), time.time() + 120)
             conn.send("ok")
-        elif kind == "reserve_many":  # one block each: (request ids, block)
-            rids, block = arg
+        elif kind == "reserve_many":  # the same blocks for each: (request ids, block ids)
+            rids, blocks = arg
             for rid in rids:
-                table.add(rid, [block], time.time() + 120)
+                table.add(rid, list(blocks), time.time() + 120)
             conn.send("ok")
         elif kind == "release_many":
             for rid in arg:
@@ -329,7 +329,7 @@ def _fixed_cost_us(remote, sender, address, shape, count: int, tag: str) -> dict
     from pdserve.kv_transfer.messages import KVCommit
 
     rids = [f"{tag}-one-{i}" for i in range(count + 10)]
-    remote.call("reserve_many", (rids, 0))
+    remote.call("reserve_many", (rids, [0]))
     info = _info("bench-prefill", shape)
     times = []
     for rid in rids:
@@ -503,19 +503,21 @@ class _Probe:
         return self.stamps
 
 
-def _breakdown_us(remote, sender, address, shape, count: int, tag: str) -> dict:
-    """Where a one-block send's time goes: p50 and p90 in microseconds of each step of ``BREAKDOWN``
-    over ``count`` sends (after 10 to warm up), and of the whole send."""
+def _breakdown_us(remote, sender, address, shape, count: int, tag: str, src_ids=(0,)) -> dict:
+    """Where a send's time goes: p50 and p90 in microseconds of each step of ``BREAKDOWN`` over
+    ``count`` sends (after 10 to warm up), and of the whole send; of blocks ``src_ids`` into blocks
+    0..n-1 (one block by default: the fixed cost)."""
     from pdserve.kv_transfer.messages import KVCommit
 
     rids = [f"{tag}-probe-{i}" for i in range(count + 10)]
-    remote.call("reserve_many", (rids, 0))
+    dst_ids = list(range(len(src_ids)))
+    remote.call("reserve_many", (rids, dst_ids))
     info = _info("bench-prefill", shape)
     remote.call("probe", True)
     probe = _Probe("sender")
     try:
         for rid in rids:
-            ack = sender.send(address, info, rid, [0], [0], KVCommit(rid, 0), 30).result()
+            ack = sender.send(address, info, rid, list(src_ids), dst_ids, KVCommit(rid, 0), 30).result()
             probe.stamps[rid]["done"] = time.perf_counter()
             assert ack.ok, ack.error
     finally:
@@ -737,6 +739,18 @@ def run(args: argparse.Namespace) -> dict:
             if k.startswith("ratio_") and k.endswith("_to_" + own.get(k[6:].split("_")[0], ""))
         )
         print(f"{size:5d} MiB ratios (best to best): {ratios}", flush=True)
+        # Where a send of this size spends its time, in order and shuffled, the way each transport
+        # picks for itself (what the fixed cost cannot tell: what grows with the blocks).
+        for name, sender in senders.items() if args.breakdown else ():
+            if name not in ("nixl", "zmq"):
+                continue
+            for order, ids in (("in_order", range(n)), ("shuffled", shuffled)):
+                key = f"{name}_{order}"
+                steps = _breakdown_us(remote, sender, address, shape, args.size_breakdown_count, key, ids)
+                row.setdefault("breakdown_us", {})[key] = steps
+                print(f"{size:5d} MiB: where a send's time goes, {name} {order} (us, p50 / p90):", flush=True)
+                for what, us in steps.items():
+                    print(f"  {what:64s} {us['p50']:8.1f} {us['p90']:8.1f}", flush=True)
 
     if tcp is not None:
         tcp.close()
@@ -822,12 +836,15 @@ def run(args: argparse.Namespace) -> dict:
         "Future the caller waits on), as many times in a row: what the host costs (thread wake-ups, "
         "loopback TCP); one_block_breakdown_us (--breakdown): "
         "the same sends again, time-stamped at each step of the protocol in both processes (by "
-        "wrapping the methods that reach it, ~1-2 us a stamp), p50 and p90 of each step.",
+        "wrapping the methods that reach it, ~1-2 us a stamp), p50 and p90 of each step; "
+        "results[].breakdown_us (--breakdown): the same for size_breakdown_count sends of each size, "
+        "in order and shuffled, by the transport's own choice of way.",
         "repeats": repeats,
         "one_block_count": args.one_block_count,
         "one_block_send_us": fixed,
         "raw_round_trip_us": raw_round_trip,
         "one_block_breakdown_us": breakdown,
+        "size_breakdown_count": args.size_breakdown_count,
         "nixl_max_desc_bytes": max_desc_bytes,
         "nccl_direct_min_run_bytes": NcclOptions().direct_min_run_bytes,
         "nixl_descriptors_per_piece": NixlOptions().descriptors_per_piece,
@@ -879,7 +896,10 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--breakdown",
         action="store_true",
-        help="also time each step of a one-block send (nixl, zmq) in both processes",
+        help="also time each step of a send (nixl, zmq) in both processes: one block, then each size",
+    )
+    p.add_argument(
+        "--size-breakdown-count", type=int, default=30, help="sends of each size timed by --breakdown"
     )
     p.add_argument("--dry-run", action="store_true", help="small sizes, one repeat, output to a temp file")
     p.add_argument("--output", default="", help="default docs/benchmarks/kv_transfer_<cpu|gpu>.json")
