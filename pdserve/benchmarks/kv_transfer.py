@@ -323,16 +323,19 @@ def _p50_p90_us(seconds: list[float]) -> dict:
     return {"p50": ordered[len(ordered) // 2] * 1e6, "p90": ordered[int(len(ordered) * 0.9)] * 1e6}
 
 
-def _fixed_cost_us(remote, sender, address, shape, count: int, tag: str) -> dict:
+def _fixed_cost_us(remote, sender, address, shape, count: int, tag: str, gap_s: float = 0.0) -> dict:
     """The fixed cost of a send: one block from ``KVSender.send`` to the decode side's ack, ``count``
-    times in a row (after 10 to warm up); p50 and p90 in microseconds."""
+    times in a row (after 10 to warm up), each ``gap_s`` after the last one ended (a sporadic send:
+    the threads it wakes have gone idle); p50 and p90 in microseconds."""
     from pdserve.kv_transfer.messages import KVCommit
 
-    rids = [f"{tag}-one-{i}" for i in range(count + 10)]
+    rids = [f"{tag}-one-{gap_s}-{i}" for i in range(count + 10)]
     remote.call("reserve_many", (rids, [0]))
     info = _info("bench-prefill", shape)
     times = []
     for rid in rids:
+        if gap_s:
+            time.sleep(gap_s)
         start = time.perf_counter()
         ack = sender.send(address, info, rid, [0], [0], KVCommit(rid, 0), 30).result()
         times.append(time.perf_counter() - start)
@@ -362,12 +365,13 @@ def _start_echo() -> str:
     return f"tcp://127.0.0.1:{port}"
 
 
-def _raw_round_trip_us(remote, count: int) -> dict:
+def _raw_round_trip_us(remote, count: int, gap_s: float = 0.0) -> dict:
     """The anchor of a send's fixed cost: the same thread hops with nothing else, ``count`` times in
     a row (after 10 to warm up). The caller hands a message to a thread of its own (a queue), which
     sends it on a DEALER socket and waits for the answer (``poll``), from the receiver process's
     thread (``zmq_echo``), then resolves a Future the caller waits on. What a one-block send costs
-    beyond this is pdserve's protocol; this itself is the host's (thread wake-ups, loopback TCP)."""
+    beyond this is pdserve's protocol; this itself is the host's (thread wake-ups, loopback TCP).
+    ``gap_s``: idle time before each, as ``_fixed_cost_us``."""
     import queue
     from concurrent.futures import Future
 
@@ -390,6 +394,8 @@ def _raw_round_trip_us(remote, count: int) -> dict:
     thread.start()
     times = []
     for _ in range(count + 10):
+        if gap_s:
+            time.sleep(gap_s)
         start = time.perf_counter()
         fut: Future = Future()
         jobs.put(fut)
@@ -627,6 +633,24 @@ def run(args: argparse.Namespace) -> dict:
             f"({ratio:.1f}x the anchor)",
             flush=True,
         )
+    # The same after an idle gap before each send (a sporadic request's): the threads a send wakes
+    # have gone to sleep, and the host's wake-up latency is paid at each hop; the anchor likewise.
+    gap_s = args.one_block_gap_ms / 1e3
+    after_gap = {}
+    if gap_s:
+        after_gap["raw_round_trip"] = _raw_round_trip_us(remote, args.one_block_count, gap_s)
+        for name, sender in timed.items():
+            after_gap[name] = _fixed_cost_us(
+                remote, sender, address, shape, args.one_block_count, name, gap_s
+            )
+        anchor = after_gap["raw_round_trip"]["p50"]
+        for name, us in after_gap.items():
+            ratio = "" if name == "raw_round_trip" else f" ({us['p50'] / anchor:.1f}x the anchor)"
+            print(
+                f"after {args.one_block_gap_ms:g} ms idle, {name}: p50 {us['p50']:.0f} us, "
+                f"p90 {us['p90']:.0f} us{ratio}",
+                flush=True,
+            )
     breakdown = {}
     for name, sender in timed.items() if args.breakdown else ():
         if name.split("-")[0] not in ("nixl", "zmq"):
@@ -837,6 +861,8 @@ def run(args: argparse.Namespace) -> dict:
         "loopback TCP); one_block_breakdown_us (--breakdown): "
         "the same sends again, time-stamped at each step of the protocol in both processes (by "
         "wrapping the methods that reach it, ~1-2 us a stamp), p50 and p90 of each step; "
+        "one_block_after_gap_us (--one-block-gap-ms): the anchor and the one-block sends again, each "
+        "after that much idle time (the threads they wake gone to sleep, as between sporadic requests); "
         "results[].breakdown_us (--breakdown): the same for size_breakdown_count sends of each size, "
         "in order and shuffled, by the transport's own choice of way.",
         "repeats": repeats,
@@ -844,6 +870,8 @@ def run(args: argparse.Namespace) -> dict:
         "one_block_send_us": fixed,
         "raw_round_trip_us": raw_round_trip,
         "one_block_breakdown_us": breakdown,
+        "one_block_gap_ms": args.one_block_gap_ms,
+        "one_block_after_gap_us": after_gap,
         "size_breakdown_count": args.size_breakdown_count,
         "nixl_max_desc_bytes": max_desc_bytes,
         "nccl_direct_min_run_bytes": NcclOptions().direct_min_run_bytes,
@@ -875,6 +903,12 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--one-block-count", type=int, default=200, help="one-block sends timed for the fixed cost (p50, p90)"
+    )
+    p.add_argument(
+        "--one-block-gap-ms",
+        type=float,
+        default=0.0,
+        help="also time the one-block sends (and their anchor) each after this much idle time; 0: not",
     )
     p.add_argument(
         "--nixl-max-desc-mib",
