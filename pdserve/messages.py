@@ -10,9 +10,11 @@ checks (sizes, ids, block ranges) happen where the message is used.
 
 Request life cycle across processes (numbers match docs/architecture.md):
 
-1. proxy -> decode ``ReserveRequest``; decode -> proxy ``LandingDescriptor``
+1. proxy -> decode ``ReserveRequest``; decode -> proxy ``LandingDescriptor``; at the same time
+   (3) proxy -> prefill ``PrefillRequest`` without it: the prompt is computed while the decode
+   node reserves, and ``PrefillLanding`` brings the landing descriptor once it is known
 2. proxy -> decode ``StreamRequest`` (opens the token stream: ``TokenEvent``s, batched per step)
-3. proxy -> prefill ``PrefillRequest`` (carries the landing descriptor)
+3. proxy -> prefill ``PrefillRequest`` (carrying the landing descriptor, or followed by it)
 4. prefill -> decode over the KV transport (``pdserve.kv_transfer.messages``): ``KVHandshake``
    once per peer, then the blocks and one ``KVCommit`` per request
 5. prefill -> proxy ``PrefillResult`` (control plane only: ok or an error)
@@ -119,11 +121,22 @@ class StreamRequest(Message):
 
 
 class PrefillRequest(Message):
+    """Compute a prompt and send its KV to ``landing``; None: the landing descriptor follows in a
+    ``PrefillLanding`` (the decode node is still reserving), and the prompt's blocks are held
+    after its first token until it arrives."""
+
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    landing: LandingDescriptor
+    landing: LandingDescriptor | None = None
     deadline: float = 0.0  # unix time (time.time()) after which nobody wants the result; 0: none
+
+
+class PrefillLanding(Message):
+    """Proxy -> prefill node: where the KV of a ``PrefillRequest`` sent without one lands; answered
+    once the node took it (404: no such prefill here, it ended or never came)."""
+
+    landing: LandingDescriptor
 
 
 class PrefillResult(Message):
@@ -196,7 +209,7 @@ class Call(Message):
     """Proxy -> node: one call of the request path; answered by a ``Reply`` with its ``call_id``."""
 
     call_id: int
-    body: ReserveRequest | PrefillRequest | StreamRequest | AbortRequest
+    body: ReserveRequest | PrefillRequest | PrefillLanding | StreamRequest | AbortRequest
 
 
 class Reply(Message):
@@ -251,6 +264,13 @@ class AddPrefill(Message):
     msg: PrefillRequest
 
 
+class LandPrefill(Message):
+    """Node -> core: the landing of a prefill added without one (``PrefillLanding``): handshake with
+    its decode node unless done already, then ship its KV there (at once if its first token is out)."""
+
+    landing: LandingDescriptor
+
+
 class ClosePrefill(Message):
     """Node -> core: the prefill's call handler returned; its lease is no longer renewed."""
 
@@ -303,7 +323,16 @@ class CoreCall(Message):
 
     call_id: int
     body: (
-        AddPrefill | ClosePrefill | Reserve | StartLocal | EndRequest | GetStats | IsIdle | EndAll | Shutdown
+        AddPrefill
+        | LandPrefill
+        | ClosePrefill
+        | Reserve
+        | StartLocal
+        | EndRequest
+        | GetStats
+        | IsIdle
+        | EndAll
+        | Shutdown
     )
 
 

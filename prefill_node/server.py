@@ -1,7 +1,8 @@
 """The prefill node: computes a prompt's KV and first token, pushes the KV into the decode node's blocks.
 
 Per request (a ``PrefillRequest`` call on the request channel, carrying the decode node's landing
-descriptor):
+descriptor, or without it while the decode node still reserves: a ``PrefillLanding`` call brings it
+then, and the prompt is computed meanwhile):
 
 1. Handshake with that decode node's KV receiver once (mismatches are refused then).
 2. The engine runs the prompt like any other — batched, chunked, reusing cached prefix
@@ -12,6 +13,9 @@ descriptor):
    in the engine (``LLMEngine.pin_held``) until the sender releases them
    (``KVSendFuture.released``), even if the request is aborted meanwhile; then they stay in the
    prefix cache for later prompts.
+   A prompt whose landing has not come yet keeps its blocks after its first token (stage
+   ``LANDING``) and ships them when it does; one that waits longer than the KV transfer timeout
+   fails and frees them.
 4. The sender delivers the KV and the commit (first token, its logprobs, the seeded
    sampler's state, cached-token count) and waits for the decode node's ack; the call's
    reply is that outcome (a ``TransferDone`` from the engine core), as soon as it is known: a send
@@ -22,7 +26,8 @@ descriptor):
 ``PrefillService`` runs in the node's engine core process (``pdserve.node.engine_core``): the
 sender, the shipments and the lease renewals live beside the engine; the call handler
 (``add_prefill_calls``) runs in the node process and reaches it through typed commands
-(``AddPrefill``, which handshakes with the decode node first, and ``ClosePrefill``).
+(``AddPrefill``, which handshakes with the decode node first, ``LandPrefill`` for a landing that
+came later, and ``ClosePrefill``).
 
 Blocks are shipped from the engine step that computes them, right after its forward was
 launched (``LLMEngine.add_launch_listener``): on CUDA with one event per layer, so the
@@ -38,6 +43,7 @@ renewals, each field written by one thread.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import enum
 import logging
@@ -58,7 +64,9 @@ from pdserve.messages import (
     AddPrefill,
     ClosePrefill,
     LandingDescriptor,
+    LandPrefill,
     LogprobsMsg,
+    PrefillLanding,
     PrefillRequest,
     PrefillResult,
     TransferDone,
@@ -78,7 +86,11 @@ class Stage(enum.Enum):
     ADMITTED = "admitted"
     """The call handler took the prompt; the engine has not queued it yet."""
     PREFILLING = "prefilling"
-    """The engine runs the prompt; each launched step ships the blocks it fills."""
+    """The engine runs the prompt; each launched step ships the blocks it fills (once its landing
+    is known)."""
+    LANDING = "landing"
+    """The first token is out, the blocks are held, the landing descriptor has not come yet: the
+    last send starts when it does (``PrefillService.land``)."""
     SENDING = "sending"
     """The first token is out and the last send (with the commit) is in flight: the engine keeps
     the blocks pinned, even through an abort, until the sender releases them."""
@@ -96,8 +108,9 @@ class Shipment:
     Each field below says which thread writes it."""
 
     request_id: str
-    landing: LandingDescriptor
-    """Where the KV goes: the decode node's blocks and address (never changes)."""
+    landing: LandingDescriptor | None
+    """Engine loop: where the KV goes, the decode node's blocks and address; None until a landing
+    sent after the prompt comes (then never changes)."""
     renew_at: float = 0.0
     """Renewer: when the decode node's lease is renewed next (``time.monotonic``)."""
     renew_every: float = 0.0
@@ -109,6 +122,8 @@ class Shipment:
     num_preemptions: int = 0
     """Engine loop: the prompt's preemptions when those blocks were shipped; after another one
     they may have been reused before they were read, and are shipped again."""
+    commit: KVCommit | None = None
+    """Engine loop: the last send's commit (first token, sampler state), from the prompt's last step."""
 
 
 class PrefillService(NodeService):
@@ -155,6 +170,7 @@ class PrefillService(NodeService):
     def commands(self) -> dict:
         return {
             AddPrefill: self._add_call,
+            LandPrefill: self._land_call,
             ClosePrefill: lambda msg: self.close(msg.request_id),
         }
 
@@ -179,6 +195,9 @@ class PrefillService(NodeService):
         Answered at once when that decode node's handshake already succeeded, else when it ends;
         a prompt ended (``forget``, ``close``) while it waits is not added."""
         msg = call.msg
+        if msg.landing is None:  # it follows (``_land_call``): the prompt starts now
+            self._open_and_add(msg)
+            return None
         shaken = self.handshake(msg.landing.kv_address)
         if shaken.done():
             if shaken.exception() is not None:
@@ -222,16 +241,75 @@ class PrefillService(NodeService):
         rid = msg.request_id
         if rid in self.shipments:
             raise ValueError(f"duplicate request id {rid!r}")
-        period = max(0.1, (msg.landing.lease_deadline - time.time()) / 3)
-        shipment = Shipment(rid, msg.landing, renew_at=time.monotonic() + period, renew_every=period)
-        self.shipments[rid] = shipment
+        shipment = self.shipments[rid] = Shipment(rid, None)
+        if msg.landing is not None:
+            self._set_landing(shipment, msg.landing)
         return shipment
+
+    @staticmethod
+    def _set_landing(shipment: Shipment, landing: LandingDescriptor) -> None:
+        # The renewer skips a shipment without a landing: its renewal times are set first.
+        period = max(0.1, (landing.lease_deadline - time.time()) / 3)
+        shipment.renew_every = period
+        shipment.renew_at = time.monotonic() + period
+        shipment.landing = landing
+
+    def _land_call(self, call: LandPrefill) -> Future | None:
+        """A landing that came after its prompt (``PrefillLanding``): handshake with its decode
+        node first (once per node), then ``land``. Answered at once when that handshake already
+        succeeded, else when it ends; 404 when no prompt of that id awaits a landing here."""
+        landing = call.landing
+        rid = landing.request_id
+        shipment = self.shipments.get(rid)
+        if shipment is None or shipment.landing is not None or shipment.stage is Stage.DONE:
+            raise NodeRefused(404, f"no prefill of {rid!r} awaits a landing here", "not_found")
+        shaken = self.handshake(landing.kv_address)
+        if shaken.done():
+            if shaken.exception() is not None:
+                raise shaken.exception()
+            self.land(shipment, landing)
+            return None
+        answer: Future = Future()
+
+        def after(f: Future) -> None:
+            self.state.loop.submit(lambda engine: self._land_after_handshake(shipment, landing, f, answer))
+
+        shaken.add_done_callback(after)
+        return answer
+
+    def _land_after_handshake(
+        self, shipment: Shipment, landing: LandingDescriptor, shaken: Future, answer: Future
+    ) -> None:
+        if self.shipments.get(shipment.request_id) is not shipment or shipment.stage is Stage.DONE:
+            why = f"prefill {shipment.request_id!r} ended before its decode node's handshake did"
+            answer.set_exception(NodeRefused(499, why, "cancelled"))
+            return
+        try:
+            if shaken.exception() is not None:
+                raise shaken.exception()
+            self.land(shipment, landing)
+        except BaseException as exc:  # noqa: BLE001 - the answer carries it
+            answer.set_exception(exc)
+        else:
+            answer.set_result(None)
+
+    def land(self, shipment: Shipment, landing: LandingDescriptor) -> None:
+        """The shipment's landing is known: its lease is renewed from now, the blocks its next
+        launched steps fill are shipped, and if its first token is out already the last send
+        starts now."""
+        self._set_landing(shipment, landing)
+        if shipment.stage is Stage.LANDING:
+            self._send_last(self.state.engine, shipment)
 
     def close(self, request_id: str) -> None:
         """The prompt's call handler is done with it: its lease is no longer renewed, and the
-        outcome of a send still in flight has no one to go to."""
+        outcome of a send still in flight has no one to go to. Blocks held for a landing that
+        never came are freed."""
         self._awaiting_handshake.discard(request_id)
-        self.shipments.pop(request_id, None)
+        shipment = self.shipments.pop(request_id, None)
+        if shipment is not None and shipment.stage is Stage.LANDING:
+            shipment.stage = Stage.DONE
+            self.state.engine.release_held(request_id)
 
     def _renew_leases(self) -> None:
         """While a prompt is on this node, renew its decode lease three times per lease length.
@@ -241,7 +319,7 @@ class PrefillService(NodeService):
             now = time.monotonic()
             due: dict[str, list[str]] = {}
             for shipment in list(self.shipments.values()):
-                if now >= shipment.renew_at:
+                if shipment.landing is not None and now >= shipment.renew_at:
                     due.setdefault(shipment.landing.kv_address, []).append(shipment.request_id)
                     shipment.renew_at = now + shipment.renew_every
             for address, request_ids in due.items():
@@ -270,9 +348,10 @@ class PrefillService(NodeService):
         # engine, which keeps the node busy too.
         return bool(self.shipments)
 
-    def _prefilling(self, request_id: str) -> Shipment | None:
+    def _prefilling(self, request_id: str, *stages: Stage) -> Shipment | None:
         shipment = self.shipments.get(request_id)
-        return shipment if shipment is not None and shipment.stage is Stage.PREFILLING else None
+        wanted = stages or (Stage.PREFILLING,)
+        return shipment if shipment is not None and shipment.stage in wanted else None
 
     def after_step(self, outputs: list[RequestOutput]) -> None:
         engine = self.state.engine
@@ -282,49 +361,60 @@ class PrefillService(NodeService):
             shipment = self._prefilling(out.request_id)
             if shipment is None:
                 continue
-            shipment.stage = Stage.DONE  # unless the last send starts below
-            src = engine.held_block_ids(out.request_id)
-            if src is None:
+            shipment.stage = Stage.DONE  # unless the last send starts (or waits) below
+            if engine.held_block_ids(out.request_id) is None:
                 continue
-            landing = shipment.landing
-            sent = shipment.num_blocks_sent
-            if engine.num_preemptions(out.request_id) != shipment.num_preemptions:
-                sent = 0  # the blocks shipped early may have been reused before they were read
             completion = out.outputs[0]
             logprobs = completion.logprobs[0] if completion.logprobs else None
-            commit = KVCommit(
+            shipment.commit = KVCommit(
                 request_id=out.request_id,
                 first_token=completion.token_ids[0],
                 first_logprobs=LogprobsMsg.from_logprobs(logprobs) if logprobs else None,
                 generator_state=engine.generator_state(out.request_id),
                 num_cached_tokens=out.num_cached_tokens,
             )
-            # The transport may read the blocks until it releases them, even after an abort.
-            engine.pin_held(out.request_id)
-            shipment.stage = Stage.SENDING  # until _finish
-            started = time.monotonic()
-            try:
-                fut = self.sender.send(
-                    landing.kv_address,
-                    self.state.info,
-                    out.request_id,
-                    src[landing.first_block + sent :],
-                    landing.block_ids[sent:],
-                    commit,
-                    self.state.node.kv_transfer_timeout_s,
-                )
-            except Exception as e:
-                fut = KVSendFuture.failed(e)
-            fut.add_done_callback(lambda f, s=shipment, t=started: self._transfer_done(s, f, t))
-            fut.released.add_done_callback(lambda _, rid=out.request_id: self._released(rid))
+            if shipment.landing is None:
+                shipment.stage = Stage.LANDING  # the blocks stay held until it comes (``land``)
+                continue
+            self._send_last(engine, shipment)
+
+    def _send_last(self, engine: LLMEngine, shipment: Shipment) -> None:
+        """Start the last send of a prompt whose first token is out: the blocks not shipped yet
+        (all of them after a preemption), with the commit."""
+        rid, landing = shipment.request_id, shipment.landing
+        src = engine.held_block_ids(rid)
+        if src is None:
+            shipment.stage = Stage.DONE
+            return
+        sent = shipment.num_blocks_sent
+        if engine.num_preemptions(rid) != shipment.num_preemptions:
+            sent = 0  # the blocks shipped early may have been reused before they were read
+        # The transport may read the blocks until it releases them, even after an abort.
+        engine.pin_held(rid)
+        shipment.stage = Stage.SENDING  # until _finish
+        started = time.monotonic()
+        try:
+            fut = self.sender.send(
+                landing.kv_address,
+                self.state.info,
+                rid,
+                src[landing.first_block + sent :],
+                landing.block_ids[sent:],
+                shipment.commit,
+                self.state.node.kv_transfer_timeout_s,
+            )
+        except Exception as e:
+            fut = KVSendFuture.failed(e)
+        fut.add_done_callback(lambda f, s=shipment, t=started: self._transfer_done(s, f, t))
+        fut.released.add_done_callback(lambda _, rid=rid: self._released(rid))
 
     def _ship_launched(self, chunks: list[LaunchedChunk], layer_events: list | None) -> None:
         """Ship the blocks a launched step fills (a finishing prompt's last, partial one too)."""
         block_size = self.state.engine.config.cache.block_size
         for chunk in chunks:
             shipment = self._prefilling(chunk.request_id)
-            if shipment is None:
-                continue
+            if shipment is None or shipment.landing is None:
+                continue  # without a landing yet, its last send takes every block
             landing = shipment.landing
             end = chunk.start + chunk.num_tokens
             filled = cdiv(end, block_size) if end >= chunk.num_prompt_tokens else end // block_size
@@ -374,28 +464,11 @@ class PrefillService(NodeService):
     def forget(self, request_id: str) -> None:
         self._awaiting_handshake.discard(request_id)
         # Nothing more is shipped from its steps. A last send in flight keeps its blocks pinned
-        # (``NodeState.end_request`` releases them right after this, the engine only at the unpin).
-        shipment = self._prefilling(request_id)
+        # (``NodeState.end_request`` releases them right after this, the engine only at the unpin;
+        # blocks held for a landing it releases at once).
+        shipment = self._prefilling(request_id, Stage.PREFILLING, Stage.LANDING)
         if shipment is not None:
             shipment.stage = Stage.DONE
-
-
-def _validate(msg: PrefillRequest, block_size: int) -> str:
-    landing = msg.landing
-    if landing.request_id != msg.request_id:
-        return "landing descriptor belongs to another request"
-    if landing.num_prompt_tokens != len(msg.prompt_token_ids):
-        n = len(msg.prompt_token_ids)
-        return f"landing descriptor is for {landing.num_prompt_tokens} tokens, the prompt has {n}"
-    num_blocks = cdiv(len(msg.prompt_token_ids), block_size)
-    if not 0 <= landing.first_block < num_blocks:
-        return f"landing descriptor starts at block {landing.first_block} of {num_blocks}"
-    if len(landing.block_ids) != num_blocks - landing.first_block:
-        return (
-            f"landing descriptor has {len(landing.block_ids)} blocks for blocks {landing.first_block} to "
-            f"{num_blocks - 1} of a {len(msg.prompt_token_ids)}-token prompt"
-        )
-    return ""
 
 
 def core_services(state) -> list[NodeService]:
@@ -408,8 +481,23 @@ def create_app(engine_config: EngineConfig, node: NodeConfig) -> FastAPI:
     return node_app(NodeState(engine_config, node, core_services, [add_prefill_calls]))
 
 
+@dataclass
+class _Awaited:
+    """A prefill call that came without its landing (node process, event loop only)."""
+
+    num_prompt_tokens: int
+    added: asyncio.Future
+    """Done once the prompt reached the engine core (its shipment is open there); cancelled if the
+    call ended before."""
+    landed: asyncio.Future
+    """Done once its landing reached the engine core (``LandPrefill``); an exception if the core
+    refused it; cancelled if the call ended before."""
+
+
 def add_prefill_calls(channel: ChannelServer, state: NodeState) -> None:
-    """The prefill role's call on the request channel (node process)."""
+    """The prefill role's calls on the request channel (node process): ``PrefillRequest``, and
+    ``PrefillLanding`` for one that came without its landing."""
+    awaiting: dict[str, _Awaited] = {}
 
     def fail(msg: PrefillRequest, status: int, error: str) -> NodeRefused:
         logger.warning("prefill of %s failed: %s", msg.request_id, error)
@@ -418,33 +506,53 @@ def add_prefill_calls(channel: ChannelServer, state: NodeState) -> None:
     async def prefill(peer: Peer, msg: PrefillRequest) -> PrefillResult:
         """Answers once the KV is committed on the decode node (or failed)."""
         arrived = time.monotonic()
-        error = _validate(msg, state.info.block_size)
-        if error:
-            raise fail(msg, 500, error)  # a cluster bug, not the client's
         rid = msg.request_id
-        async with state.admission(msg.deadline):  # raises NodeRefused: 429, 503 or 504
-            if rid in state.transfers:
+        num_tokens = len(msg.prompt_token_ids)
+        if msg.landing is not None:
+            error = _validate(msg.landing, rid, num_tokens, state.info.block_size)
+            if error:
+                raise fail(msg, 500, error)  # a cluster bug, not the client's
+            awaited = None
+        else:
+            if rid in awaiting:
                 raise fail(msg, 400, f"duplicate request id {rid!r}")
-            sub = state.subs.subscribe(rid)
-            transfer = state.transfers[rid] = asyncio.get_running_loop().create_future()
-            try:
-                # Handshakes with the decode node (once), then opens its shipment: the lease is renewed.
-                await state.core.call(AddPrefill(msg))
-            except BaseException as exc:
-                _forget(rid, transfer)
-                if isinstance(exc, asyncio.CancelledError):  # the add may still run: undo it after
-                    state.end_request(rid, "proxy gone")
-                    state.core.send(ClosePrefill(rid))
-                if isinstance(exc, CoreRefused) and exc.kind == "kv_transfer_error":
-                    raise fail(msg, 502, exc.message) from None
-                if isinstance(exc, CoreRefused) and exc.kind == "value_error":
-                    raise fail(msg, 400, exc.message) from None
-                raise
+            # Registered before this handler first waits: its landing's call, right behind it on
+            # the channel, finds it.
+            loop = asyncio.get_running_loop()
+            awaited = awaiting[rid] = _Awaited(num_tokens, loop.create_future(), loop.create_future())
         try:
-            return await _prefill(msg, sub, transfer, arrived)
+            async with state.admission(msg.deadline):  # raises NodeRefused: 429, 503 or 504
+                if rid in state.transfers:
+                    raise fail(msg, 400, f"duplicate request id {rid!r}")
+                sub = state.subs.subscribe(rid)
+                transfer = state.transfers[rid] = asyncio.get_running_loop().create_future()
+                try:
+                    # Handshakes with the decode node (once), then opens its shipment: the lease
+                    # is renewed. Without a landing: opens the shipment only.
+                    await state.core.call(AddPrefill(msg))
+                except BaseException as exc:
+                    _forget(rid, transfer)
+                    if isinstance(exc, asyncio.CancelledError):  # the add may still run: undo it after
+                        state.end_request(rid, "proxy gone")
+                        state.core.send(ClosePrefill(rid))
+                    if isinstance(exc, CoreRefused) and exc.kind == "kv_transfer_error":
+                        raise fail(msg, 502, exc.message) from None
+                    if isinstance(exc, CoreRefused) and exc.kind == "value_error":
+                        raise fail(msg, 400, exc.message) from None
+                    raise
+            if awaited is not None:
+                awaited.added.set_result(None)
+            try:
+                return await _prefill(msg, sub, transfer, arrived, awaited)
+            finally:
+                _forget(rid, transfer)
+                state.core.send(ClosePrefill(rid))
         finally:
-            _forget(rid, transfer)
-            state.core.send(ClosePrefill(rid))
+            if awaited is not None:
+                if awaiting.get(rid) is awaited:
+                    del awaiting[rid]
+                awaited.added.cancel()  # no-ops once done
+                awaited.landed.cancel()
 
     def _forget(rid: str, transfer: asyncio.Future) -> None:
         # This handler is the subscription's only reader: once it returns, nothing reads it, and
@@ -453,7 +561,9 @@ def add_prefill_calls(channel: ChannelServer, state: NodeState) -> None:
         if state.transfers.get(rid) is transfer:
             del state.transfers[rid]
 
-    async def _prefill(msg: PrefillRequest, sub, transfer: asyncio.Future, arrived: float) -> PrefillResult:
+    async def _prefill(
+        msg: PrefillRequest, sub, transfer: asyncio.Future, arrived: float, awaited: _Awaited | None
+    ) -> PrefillResult:
         rid = msg.request_id
         try:
             events = await sub.wait_finished()
@@ -461,6 +571,21 @@ def add_prefill_calls(channel: ChannelServer, state: NodeState) -> None:
             failed = next((e for e in events if e.finish_reason == "error"), None)
             if failed is not None or not events:  # ended before its KV was sent: none will be
                 raise fail(msg, 500, failed.error if failed is not None else "the prefill produced no token")
+            if awaited is not None and not awaited.landed.done():
+                # The first token is out and the blocks are held for the landing: not forever, and
+                # not past the request's deadline (which stopped counting at the first token).
+                limit = state.node.kv_transfer_timeout_s
+                if msg.deadline:
+                    limit = min(limit, max(0.0, msg.deadline - time.time()))
+                try:
+                    await asyncio.wait_for(asyncio.shield(awaited.landed), limit)
+                except asyncio.TimeoutError:
+                    state.end_request(rid, "its landing descriptor never came")
+                    why = f"no landing descriptor came within {limit:.3g} s of the first token"
+                    raise fail(msg, 504, why) from None
+            if awaited is not None and awaited.landed.exception() is not None:
+                state.end_request(rid, "its landing was refused")
+                raise fail(msg, 502, str(awaited.landed.exception()))
             done: TransferDone = await transfer
             if done.error:
                 raise fail(msg, 502, done.error)
@@ -475,4 +600,52 @@ def add_prefill_calls(channel: ChannelServer, state: NodeState) -> None:
             prompt_logprobs=prompt_logprobs,
         )
 
+    async def land(peer: Peer, msg: PrefillLanding) -> None:
+        """Answers once the engine core took the landing (handshake included): the KV is on its way."""
+        landing = msg.landing
+        rid = landing.request_id
+        awaited = awaiting.get(rid)
+        if awaited is None or awaited.landed.done():
+            raise NodeRefused(404, f"no prefill of {rid!r} awaits a landing here", "not_found")
+        error = _validate(landing, rid, awaited.num_prompt_tokens, state.info.block_size)
+        if error:
+            logger.warning("landing of %s refused: %s", rid, error)
+            refuse(awaited, error)  # the prefill fails at once, not at its landing timeout
+            raise NodeRefused(500, error, "prefill_failed")  # a cluster bug, not the client's
+        if not awaited.added.done():
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.shield(awaited.added)
+            if awaited.added.cancelled():  # the prefill ended before it reached the core
+                raise NodeRefused(404, f"the prefill of {rid!r} ended before its landing came", "not_found")
+        try:
+            await state.core.call(LandPrefill(landing))
+        except CoreRefused as exc:
+            refuse(awaited, exc.message)
+            raise
+        if not awaited.landed.done():
+            awaited.landed.set_result(None)
+
+    def refuse(awaited: _Awaited, why: str) -> None:
+        if not awaited.landed.done():
+            awaited.landed.set_exception(RuntimeError(why))
+            awaited.landed.exception()  # retrieved here too: the prefill call may be gone
+
     channel.handle(PrefillRequest, prefill)
+    channel.handle(PrefillLanding, land)
+
+
+def _validate(landing: LandingDescriptor, request_id: str, num_prompt_tokens: int, block_size: int) -> str:
+    if landing.request_id != request_id:
+        return "landing descriptor belongs to another request"
+    if landing.num_prompt_tokens != num_prompt_tokens:
+        n = landing.num_prompt_tokens
+        return f"landing descriptor is for {n} tokens, the prompt has {num_prompt_tokens}"
+    num_blocks = cdiv(num_prompt_tokens, block_size)
+    if not 0 <= landing.first_block < num_blocks:
+        return f"landing descriptor starts at block {landing.first_block} of {num_blocks}"
+    if len(landing.block_ids) != num_blocks - landing.first_block:
+        return (
+            f"landing descriptor has {len(landing.block_ids)} blocks for blocks {landing.first_block} to "
+            f"{num_blocks - 1} of a {num_prompt_tokens}-token prompt"
+        )
+    return ""

@@ -460,6 +460,7 @@ class Proxy:
             cfg.min_remote_prefill_tokens,
             cfg.routing,
             max_migrations=cfg.max_migrations,
+            overlap_reserve=cfg.overlap_reserve,
         )
         if cfg.max_loop_lag_s:
             self.lag.start()

@@ -42,6 +42,7 @@ from pdserve.messages import (
     NodeLoad,
     Ping,
     Pong,
+    PrefillLanding,
     PrefillRequest,
     PrefillResult,
     Reply,
@@ -320,8 +321,9 @@ class NodeChannel:
         if self._refused is not None:
             raise self._refused
 
-    async def call(self, body: Message, timeout: float | None) -> Reply:
-        """Send one call and wait for its reply (``timeout`` None: as long as the node is alive)."""
+    async def call(self, body: Message, timeout: float | None, sent: asyncio.Future | None = None) -> Reply:
+        """Send one call and wait for its reply (``timeout`` None: as long as the node is alive);
+        ``sent`` is resolved once it is on the wire (calls sent after that reach the node after it)."""
         if self._closed or not self._open.is_set() or self._refused is not None:
             await self._ready(timeout or CONTROL_TIMEOUT_S)
         call_id = next(self._ids)
@@ -331,6 +333,8 @@ class NodeChannel:
         if not self._send(Call(call_id, body)):
             self._calls.pop(call_id, None)
             raise NodeError(self.url, f"no connection to {self.address}", connect_failed=True)
+        if sent is not None and not sent.done():
+            sent.set_result(None)
         # The timeout is a timer on the reply's future, not asyncio.wait_for: on Python 3.11 that
         # wraps the future in a task of its own, a cost every call would pay.
         timer = None if timeout is None else loop.call_later(timeout, _time_out, fut)
@@ -361,14 +365,21 @@ class NodeChannel:
     async def reserve(self, request: ReserveRequest, timeout: float = CONTROL_TIMEOUT_S) -> LandingDescriptor:
         return _body(self.url, await self.call(request, timeout), LandingDescriptor)
 
-    async def prefill(self, request: PrefillRequest, timeout: float | None = None) -> PrefillResult:
-        """Runs until the KV is committed on the decode node (or failed). Cancelled, it aborts
-        the prefill on the node."""
+    async def prefill(
+        self, request: PrefillRequest, timeout: float | None = None, sent: asyncio.Future | None = None
+    ) -> PrefillResult:
+        """Runs until the KV is committed on the decode node (or failed); ``sent`` as ``call``'s.
+        Cancelled, it aborts the prefill on the node."""
         try:
-            return _body(self.url, await self.call(request, timeout), PrefillResult)
+            return _body(self.url, await self.call(request, timeout, sent), PrefillResult)
         except asyncio.CancelledError:
             self.abort_soon(request.request_id)
             raise
+
+    async def land(self, request: PrefillLanding, timeout: float = CONTROL_TIMEOUT_S) -> None:
+        """Hand a prefill sent without its landing descriptor the descriptor; returns once the node
+        took it (its KV is on its way)."""
+        await self.call(request, timeout)
 
     @asynccontextmanager
     async def stream(

@@ -81,6 +81,11 @@ class ProxyConfig:
     up. Measured on 2 x H200 with 16 streams decoding (docs/benchmarks/conditional_prefill_h200x2.json):
     a local prefill of even 8 tokens saves 12-20 ms of its TTFT but raises the streams' p99 TPOT
     from 9-11 ms to 22-33 ms (one mixed step), and at 2048 tokens it is slower for both."""
+    overlap_reserve: bool = True
+    """Send a prompt to its prefill node while its decode node reserves the KV blocks, the block ids
+    following in a second message, rather than after the reservation: the reserve's round trip
+    leaves the time to first token. The prompt's blocks wait on the prefill node, after its first
+    token, until the landing comes (at most --kv-transfer-timeout-s of the prefill node)."""
     default_max_tokens: int = 4096
     """max_tokens of a chat completion that sets none (a /v1/completions request without one gets
     OpenAI's 16); the rest of the context caps it further."""

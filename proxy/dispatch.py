@@ -43,6 +43,7 @@ import msgspec
 from pdserve.config import Role
 from pdserve.messages import (
     LandingDescriptor,
+    PrefillLanding,
     PrefillRequest,
     PrefillResult,
     ReserveRequest,
@@ -72,9 +73,11 @@ class Dispatcher:
         min_remote_prefill_tokens: int = 0,
         policy_name: str = "",
         max_migrations: int = 2,
+        overlap_reserve: bool = True,
     ) -> None:
         self.router = router
         self.max_migrations = max_migrations
+        self.overlap_reserve = overlap_reserve
         self.lease_s = lease_s
         self.admission_wait_s = admission_wait_s
         self.min_remote_prefill_tokens = min_remote_prefill_tokens
@@ -352,12 +355,35 @@ class Generation:
             self.d.index_lookup.observe(route.lookup_s)
             if route.index == "unavailable":
                 self.d.index_unavailable.inc()
+        # The prompt goes to a prefill node while the decode node reserves (its landing follows),
+        # when the decode node first in line would have it computed on a prefill node.
+        landing_now: asyncio.Future | None = None
+        prefill = None
+        if self.d.overlap_reserve:
+            ranked = self.d.router.rank(Role.DECODE, route)
+            if ranked and not self.d.plan_prefill(ranked[0], route):
+                landing_now = asyncio.get_running_loop().create_future()
+                prefill = asyncio.ensure_future(self._prefill(route, None, landing_now))
+        self._prefill_task = prefill
         reserving = time.monotonic()
-        decode, landing = await self._reserve(route)
+        try:
+            decode, landing = await self._reserve(route)
+        except BaseException:
+            if prefill is not None:
+                await self._drop_prefill(prefill)
+            raise
         self.d.reserve_latency.observe(time.monotonic() - reserving)
         self.decode_node = decode
         rid = self.node_request_id
-        prefill = None if landing.local_prefill else asyncio.ensure_future(self._prefill(route, landing))
+        if not landing.local_prefill:
+            self.d.router.recent.note(decode.node_id, route.block_hashes)  # it will hold the prompt
+            if prefill is None:
+                prefill = asyncio.ensure_future(self._prefill(route, landing))
+            else:
+                landing_now.set_result(landing)
+        elif prefill is not None:  # the decode node that took it computes the prompt itself
+            await self._drop_prefill(prefill)
+            prefill = None
         self._prefill_task = prefill
         end = self._stream_end = asyncio.get_running_loop().create_future()
         self._num_open = self.params.num_sequences  # each sequence ends with an event of its own
@@ -389,6 +415,14 @@ class Generation:
                 self._abort_pending_prefill()
             if not self.finished:
                 self.d.abort(decode, rid)
+
+    async def _drop_prefill(self, prefill: asyncio.Future) -> None:
+        """Cancel a prefill started before its landing was known (the request goes no further, or
+        the decode node computes it): the node aborts it and frees its blocks."""
+        prefill.cancel()
+        await asyncio.gather(prefill, return_exceptions=True)
+        self._abort_pending_prefill()
+        self._prefill_task = None
 
     def _abort_pending_prefill(self) -> None:
         if self._prefill_pending and not self.finished and self.prefill_node is not None:
@@ -552,7 +586,15 @@ class Generation:
             await asyncio.sleep(min(backoff, give_up - now))
             backoff = min(2 * backoff, 0.2)
 
-    async def _prefill(self, route: RouteRequest, landing: LandingDescriptor) -> PrefillResult:
+    async def _prefill(
+        self,
+        route: RouteRequest,
+        landing: LandingDescriptor | None,
+        landing_soon: asyncio.Future | None = None,
+    ) -> PrefillResult:
+        """Compute the prompt on a prefill node (the first in rank that takes it) and send its KV
+        to ``landing``, or, None, to the landing ``landing_soon`` resolves to (it is sent to the
+        node in a ``PrefillLanding`` once known)."""
         router = self.d.router
         msg = PrefillRequest(
             self.node_request_id, self._prompt, self._params, landing, deadline=self._wall_deadline
@@ -565,14 +607,16 @@ class Generation:
             cached = route.cached_tokens(node)
             if not failed:
                 self.d.decide("remote_prefill_cached" if cached else "remote_prefill")
-            for holder in (node, self.decode_node):  # both will hold the prompt's blocks
-                router.recent.note(holder.node_id, route.block_hashes)
+            router.recent.note(node.node_id, route.block_hashes)  # it will hold the prompt's blocks
             uncached = route.num_tokens - cached
             node.num_inflight += 1
             node.inflight_prefill_tokens += uncached
             start = time.monotonic()
             try:
-                result = await node.client.prefill(msg, timeout=None)
+                if landing_soon is None:
+                    result = await node.client.prefill(msg, timeout=None)
+                else:
+                    result = await self._prefill_then_land(node, msg, landing_soon)
             except NodeError as exc:
                 if exc.connect_failed or exc.status in (429, 503):
                     # It never took the request: another prefill node may.
@@ -609,3 +653,31 @@ class Generation:
                 429, "every prefill node's queue is full: " + "; ".join(failed), retry_after=max(full)
             )
         raise ProxyError(503, "no prefill node took the request: " + "; ".join(failed), retry_after=1)
+
+    async def _prefill_then_land(
+        self, node: NodeState, msg: PrefillRequest, landing_soon: asyncio.Future
+    ) -> PrefillResult:
+        """The prefill call without its landing, then the landing once the reservation made it and
+        the call is on the wire (the channel keeps their order: the landing reaches the node after
+        the call, whose handler waits for it). A failed landing fails the call on the node, whose
+        reply is the answer; leaving early cancels the call (the node aborts)."""
+        sent = asyncio.get_running_loop().create_future()
+        call = asyncio.ensure_future(node.client.prefill(msg, timeout=None, sent=sent))
+        try:
+            # Not ``asyncio.gather``: cancelling it would cancel ``landing_soon``, which the next
+            # prefill node (after a refusal here) still waits for.
+            await asyncio.wait({call, sent}, return_when=asyncio.FIRST_COMPLETED)
+            if not call.done():
+                await asyncio.wait({call, landing_soon}, return_when=asyncio.FIRST_COMPLETED)
+            if not call.done():
+                try:
+                    await node.client.land(PrefillLanding(landing_soon.result()))
+                except NodeError as exc:
+                    if exc.unreachable:
+                        raise
+                    # The node ends the prefill with the reason (or already did): its answer says it.
+            return await call
+        except BaseException:
+            call.cancel()
+            await asyncio.gather(call, return_exceptions=True)
+            raise

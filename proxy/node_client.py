@@ -9,6 +9,7 @@ arrived, which makes it safe to send elsewhere).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import urllib.parse
@@ -23,6 +24,7 @@ from pdserve.messages import (
     Message,
     NodeInfo,
     NodeLoad,
+    PrefillLanding,
     PrefillRequest,
     PrefillResult,
     ReserveRequest,
@@ -170,9 +172,16 @@ class NodeClient:
     async def reserve(self, request: ReserveRequest, timeout: float = CONTROL_TIMEOUT_S) -> LandingDescriptor:
         return await self._channel().reserve(request, timeout)
 
-    async def prefill(self, request: PrefillRequest, timeout: float | None = None) -> PrefillResult:
-        """Runs until the KV is committed to the decode node (or failed)."""
-        return await self._channel().prefill(request, timeout)
+    async def prefill(
+        self, request: PrefillRequest, timeout: float | None = None, sent: asyncio.Future | None = None
+    ) -> PrefillResult:
+        """Runs until the KV is committed to the decode node (or failed); ``sent`` resolves once
+        the call is on the wire (``NodeChannel.call``)."""
+        return await self._channel().prefill(request, timeout, sent)
+
+    async def land(self, request: PrefillLanding, timeout: float = CONTROL_TIMEOUT_S) -> None:
+        """The landing of a prefill sent without one (``NodeChannel.land``)."""
+        await self._channel().land(request, timeout)
 
     def stream(
         self,

@@ -1,4 +1,5 @@
-"""Failure paths on real processes: lease expiry, client disconnect, a prefill node killed mid-prompt.
+"""Failure paths on real processes: lease expiry, client disconnect, a prefill node killed mid-prompt,
+a prefill whose landing comes late, wrong or never.
 
 After each, every node's pool is back at its idle free count and the proxy still serves.
 """
@@ -15,7 +16,10 @@ import pytest
 
 from pdserve.cluster import LocalCluster
 from pdserve.messages import (
+    LandingDescriptor,
     NodeLoad,
+    PrefillLanding,
+    PrefillRequest,
     ReserveRequest,
     decode,
 )
@@ -211,4 +215,118 @@ def test_prefill_queue_longer_than_the_lease_still_serves(cluster):
         elapsed = time.monotonic() - start
     assert statuses == [200] * 8
     assert elapsed > 2.0, f"the queue took {elapsed:.1f} s: too short to outlive a 1 s lease"
+    _wait_idle(cluster)
+
+
+def _wait_held(url: str, timeout: float = 20.0) -> None:
+    """Until the node's prompt is computed and its blocks wait (nothing queued or running, blocks
+    not free): a prefill after its first token, waiting for its landing."""
+    deadline = time.monotonic() + timeout
+    while True:
+        lo = _load(url)
+        if lo.running == lo.waiting == 0 and lo.free_blocks < lo.total_blocks:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no prompt held on {url} after {timeout} s: {lo}")
+        time.sleep(0.05)
+
+
+def _tokens(events) -> list[int]:
+    return [t for e in events for t in e.token_ids]
+
+
+def test_landing_after_the_first_token_ships_the_held_blocks(cluster):
+    """A prefill sent before its decode node reserved (the proxy overlaps the two): the prompt runs,
+    its blocks wait after the first token, and the landing that comes later ships them; the tokens
+    are those of a prefill sent with its landing."""
+    prefill_url = _nodes(cluster, "prefill")[0].url
+    decode_url = _nodes(cluster, "decode")[0].url
+    prompt = list(range(10, 300))
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    outputs = {}
+    with node_link.NodeLink(prefill_url) as p, node_link.NodeLink(decode_url) as d:
+        for rid, late in (("landing-late", True), ("landing-inline", False)):
+            if late:
+                call = p.start(PrefillRequest(rid, prompt, params))
+                _wait_held(prefill_url)
+            reserved = d.call(ReserveRequest(rid, prompt, params, lease_s=30.0))
+            assert reserved.status == 200, reserved
+            if late:
+                landed = p.call(PrefillLanding(reserved.body))
+                assert landed.status == 200, landed
+            else:
+                call = p.start(PrefillRequest(rid, prompt, params, reserved.body))
+            result = p.reply(call, 60)
+            assert result.status == 200 and result.body.ok, result
+            events = d.stream(rid)
+            assert events[-1].finish_reason == "length", events[-1]
+            outputs[rid] = _tokens(events)
+    assert len(outputs["landing-late"]) == 6
+    assert outputs["landing-late"] == outputs["landing-inline"]
+    _wait_idle(cluster)
+
+
+def test_landing_refused_aborted_or_never_sent_frees_the_blocks(cluster):
+    prefill_url = _nodes(cluster, "prefill")[0].url
+    prompt = list(range(10, 300))
+    params = SamplingParams(max_tokens=4, temperature=0)
+    far = time.time() + 30
+    with node_link.NodeLink(prefill_url) as p:
+        # A landing for no prefill here.
+        nobody = LandingDescriptor("nobody", "decode", "tcp://127.0.0.1:9", [1], 16, far)
+        reply = p.call(PrefillLanding(nobody))
+        assert reply.status == 404, reply
+
+        # A landing that does not fit the prompt (19 blocks): refused, and its prefill fails as
+        # soon as the prompt is computed, not at the landing timeout.
+        call = p.start(PrefillRequest("wrong-landing", prompt, params))
+        wrong = LandingDescriptor("wrong-landing", "decode", "tcp://127.0.0.1:9", [1, 2], len(prompt), far)
+        reply = p.call(PrefillLanding(wrong))
+        assert reply.status == 500 and "blocks" in reply.error, reply
+        started = time.monotonic()
+        reply = p.reply(call, 30)
+        assert reply.status == 502 and "blocks" in reply.error, reply
+        assert time.monotonic() - started < 10
+        _wait_idle(cluster)
+
+        # Aborted while its blocks wait for the landing.
+        call = p.start(PrefillRequest("aborted-waiting", prompt, params))
+        _wait_held(prefill_url)
+        p.abort("aborted-waiting")
+        reply = p.reply(call, 30)
+        assert reply.status != 200, reply
+        _wait_idle(cluster)
+
+        # Its deadline passes before any landing comes.
+        call = p.start(PrefillRequest("never-landed", prompt, params, deadline=time.time() + 2))
+        reply = p.reply(call, 30)
+        assert reply.status != 200, reply
+        _wait_idle(cluster)
+
+        # The prefill call's link closes (its proxy gone) while its blocks wait.
+    with node_link.NodeLink(prefill_url) as q:
+        q.start(PrefillRequest("link-gone", prompt, params))
+        _wait_held(prefill_url)
+    _wait_idle(cluster)
+    _ask(cluster)
+
+
+def test_serial_reserve_then_prefill_gives_the_same_tokens(cluster):
+    """--no-overlap-reserve: the prefill call waits for the reservation and carries its landing."""
+    from pdserve.proxy.config import ProxyConfig
+    from pdserve.proxy.server import ProxyServer
+
+    prefill = [x.url for x in _nodes(cluster, "prefill")]
+    decode = [x.url for x in _nodes(cluster, "decode")]
+    config = ProxyConfig(
+        port=0, prefill_urls=tuple(prefill), decode_urls=tuple(decode), overlap_reserve=False
+    )
+    body = {"model": MODEL, "prompt": "The harbor at dawn was", "max_tokens": 12, "temperature": 0}
+    overlapped = httpx.post(f"{_proxy(cluster)}/v1/completions", json=body, timeout=120)
+    with ProxyServer(config) as proxy:
+        serial = httpx.post(f"{proxy.url}/v1/completions", json=body, timeout=120)
+        metrics = httpx.get(f"{proxy.url}/metrics", timeout=10).text
+    assert overlapped.status_code == serial.status_code == 200, (overlapped.text, serial.text)
+    assert serial.json()["choices"][0]["text"] == overlapped.json()["choices"][0]["text"]
+    assert 'pdserve_routing_decisions_total{policy="prefix-aware",reason="remote_prefill' in metrics
     _wait_idle(cluster)
