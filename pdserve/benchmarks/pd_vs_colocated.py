@@ -4,7 +4,9 @@ The same requests — random prompts of each of ``--input-len``'s lengths (no sh
 ``--output-len`` tokens each, sent one at a time — go through a fresh local cluster of each shape
 (one cluster a shape, every length in turn, each warmed by a request of its length first). The
 client measures TTFT (request sent to first token) and TPOT (mean gap of the following tokens)
-from the SSE stream; the ratio of TTFTs is what disaggregation adds (transfer, an extra hop).
+from the SSE stream; the ratio of TTFTs is what disaggregation adds (transfer, an extra hop). P/D
+runs twice: as the proxy does by default (the prompt sent to the prefill node while the decode node
+reserves) and with ``--no-overlap-reserve`` (``1P1D-serial``: the prefill call after the reservation).
 
     python -m pdserve.benchmarks.pd_vs_colocated --model random:llama-3-8b --gpus 0,1 \\
         --input-len 512,2048,8000 --output docs/benchmarks/pd_vs_colocated_h200.json
@@ -127,16 +129,21 @@ def main() -> None:
     warmups = {n: _prompt(rng, n, args.vocab) for n in lengths}
     gpus = args.gpus.split(",")
     common = dict(threads_per_node=4, routing="least-loaded", startup_timeout_s=600.0)
+    pd = dict(
+        prefill_nodes=1,
+        decode_nodes=1,
+        gpus=",".join(gpus[:2]),
+        min_remote_prefill_tokens=0,
+        extra_node_flags=f"--kv-transport {args.kv_transport}",
+        **common,
+    )
     shapes = {
-        "1P1D": ClusterConfig(
+        "1P1D": ClusterConfig(port=free_port(), log_dir=tempfile.mkdtemp(prefix="pd-"), **pd),
+        "1P1D-serial": ClusterConfig(
             port=free_port(),
-            prefill_nodes=1,
-            decode_nodes=1,
-            gpus=",".join(gpus[:2]),
-            min_remote_prefill_tokens=0,
-            extra_node_flags=f"--kv-transport {args.kv_transport}",
-            log_dir=tempfile.mkdtemp(prefix="pd-"),
-            **common,
+            log_dir=tempfile.mkdtemp(prefix="pd-serial-"),
+            extra_proxy_flags="--no-overlap-reserve",
+            **pd,
         ),
         "colocated": ClusterConfig(
             port=free_port(),
@@ -151,24 +158,29 @@ def main() -> None:
     runs = {name: run_shape(name, cfg, args, prompts, warmups) for name, cfg in shapes.items()}
     by_len = {}
     for n in lengths:
-        pd, co = runs["1P1D"][n], runs["colocated"][n]
+        pd, serial, co = runs["1P1D"][n], runs["1P1D-serial"][n], runs["colocated"][n]
         print(f"input {n} tokens")
-        print(f"{'shape':<10}{'TTFT p50':>10}{'TTFT p90':>10}{'TPOT p50':>10}{'TPOT p90':>10}  (ms)")
-        for r in (pd, co):
+        print(f"{'shape':<12}{'TTFT p50':>10}{'TTFT p90':>10}{'TPOT p50':>10}{'TPOT p90':>10}  (ms)")
+        for r in (pd, serial, co):
             t, o = r["ttft_s"], r["tpot_s"]
             ms = [t["p50"], t["p90"], o["p50"], o["p90"]]
-            print(f"{r['shape']:<10}" + "".join(f"{x * 1e3:>10.2f}" for x in ms))
+            print(f"{r['shape']:<12}" + "".join(f"{x * 1e3:>10.2f}" for x in ms))
         added = pd["ttft_s"]["p50"] / co["ttft_s"]["p50"] - 1
-        same = pd["outputs"] == co["outputs"]
-        print(f"disaggregation adds {100 * added:.1f} % to TTFT p50; identical outputs: {same}")
-        for r in (pd, co):
+        added_serial = serial["ttft_s"]["p50"] / co["ttft_s"]["p50"] - 1
+        same = pd["outputs"] == co["outputs"] == serial["outputs"]
+        print(
+            f"disaggregation adds {100 * added:.1f} % to TTFT p50 ({100 * added_serial:.1f} % with the "
+            f"prefill after the reservation); identical outputs: {same}"
+        )
+        for r in (pd, serial, co):
             for role, means in r["mean_seconds"].items():
                 figures = ", ".join(f"{k.removeprefix('pdserve_')} {v * 1e3:.2f}" for k, v in means.items())
                 print(f"{r['shape']} {role} mean ms: {figures}")
         by_len[n] = {
             "ttft_added_p50": added,
+            "ttft_added_p50_serial_reserve": added_serial,
             "identical_outputs": same,
-            "runs": {r["shape"]: {k: v for k, v in r.items() if k != "outputs"} for r in (pd, co)},
+            "runs": {r["shape"]: {k: v for k, v in r.items() if k != "outputs"} for r in (pd, serial, co)},
         }
     try:
         import torch
