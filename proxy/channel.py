@@ -376,7 +376,7 @@ class NodeChannel:
             self.abort_soon(request.request_id)
             raise
 
-    async def land(self, request: PrefillLanding, timeout: float = CONTROL_TIMEOUT_S) -> None:
+    async def land(self, request: PrefillLanding, timeout: float | None = CONTROL_TIMEOUT_S) -> None:
         """Hand a prefill sent without its landing descriptor the descriptor; returns once the node
         took it (its KV is on its way)."""
         await self.call(request, timeout)

@@ -671,7 +671,10 @@ class Generation:
                 await asyncio.wait({call, landing_soon}, return_when=asyncio.FIRST_COMPLETED)
             if not call.done():
                 try:
-                    await node.client.land(PrefillLanding(landing_soon.result()))
+                    # No timeout of its own: the node answers after its handshake with the decode
+                    # node (a first one may take long; its KV timeout bounds it), and the channel's
+                    # heartbeat tells a dead node.
+                    await node.client.land(PrefillLanding(landing_soon.result()), timeout=None)
                 except NodeError as exc:
                     if exc.unreachable:
                         raise

@@ -179,7 +179,7 @@ class NodeClient:
         the call is on the wire (``NodeChannel.call``)."""
         return await self._channel().prefill(request, timeout, sent)
 
-    async def land(self, request: PrefillLanding, timeout: float = CONTROL_TIMEOUT_S) -> None:
+    async def land(self, request: PrefillLanding, timeout: float | None = CONTROL_TIMEOUT_S) -> None:
         """The landing of a prefill sent without one (``NodeChannel.land``)."""
         await self._channel().land(request, timeout)
 
