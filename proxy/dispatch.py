@@ -606,7 +606,11 @@ class Generation:
             self._prefill_pending = True
             cached = route.cached_tokens(node)
             if not failed:
-                self.d.decide("remote_prefill_cached" if cached else "remote_prefill")
+                reason = "remote_prefill_cached" if cached else "remote_prefill"
+                if landing_soon is None:
+                    self.d.decide(reason)
+                else:  # counted once the reservation says so (not if the decode node computes it)
+                    landing_soon.add_done_callback(lambda f, reason=reason: self.d.decide(reason))
             router.recent.note(node.node_id, route.block_hashes)  # it will hold the prompt's blocks
             uncached = route.num_tokens - cached
             node.num_inflight += 1
