@@ -762,15 +762,17 @@ def packs(
     dst_block_ids: Sequence[int],
     pieces: int,
     options: NixlOptions = NixlOptions(),
+    layout: KVLayout | None = None,
 ) -> bool:
     """Whether a send is packed into ``pieces`` staging slots rather than read in place: on CUDA,
     when in place it would take more than ``descriptors_per_piece`` descriptors (``num_regions``:
     one per run of blocks consecutive in both caches, per layer and run layer-major) for each
     piece. Never on the CPU (unless ``pack_on_cpu``), where a descriptor costs little beside
-    copying the bytes twice more."""
+    copying the bytes twice more. ``layout``: the cache's (``KVLayout.of``), when known already."""
     if not (kv.is_cuda or options.pack_on_cpu):
         return False
-    descriptors = num_regions(src_block_ids, dst_block_ids, 0, kv.shape[0], KVLayout.of(kv))
+    layout = layout or KVLayout.of(kv)
+    descriptors = num_regions(src_block_ids, dst_block_ids, 0, kv.shape[0], layout)
     return descriptors > options.descriptors_per_piece * pieces
 
 
@@ -831,7 +833,7 @@ class NixlSession(SenderSession):
         if kv.is_cuda or plane.options.pack_on_cpu:  # packing is considered (``packs``)
             chunk_bytes = plane.options.layer_chunk_bytes if layer_wise else 0
             pieces = stage_pieces(num_layers, len(dst), slab, plane.pool.slot_bytes, chunk_bytes)
-            if packs(kv, src, dst, len(pieces), plane.options):
+            if packs(kv, src, dst, len(pieces), plane.options, plane.layout):
                 self._deliver_packed(request_id, staged, dst, pieces, deadline, commit)
                 return self._finish
         if layer_wise:
