@@ -356,18 +356,18 @@ class Generation:
             if route.index == "unavailable":
                 self.d.index_unavailable.inc()
         # The prompt goes to a prefill node while the decode node reserves (its landing follows),
-        # when the decode node first in line would have it computed on a prefill node.
+        # when the decode node first in line would have it computed on a prefill node. The
+        # ranking is taken once (``_reserve`` starts with it): a policy's rotation turns at each.
+        ranked = self.d.router.rank(Role.DECODE, route)
         landing_now: asyncio.Future | None = None
         prefill = None
-        if self.d.overlap_reserve:
-            ranked = self.d.router.rank(Role.DECODE, route)
-            if ranked and not self.d.plan_prefill(ranked[0], route):
-                landing_now = asyncio.get_running_loop().create_future()
-                prefill = asyncio.ensure_future(self._prefill(route, None, landing_now))
+        if self.d.overlap_reserve and ranked and not self.d.plan_prefill(ranked[0], route):
+            landing_now = asyncio.get_running_loop().create_future()
+            prefill = asyncio.ensure_future(self._prefill(route, None, landing_now))
         self._prefill_task = prefill
         reserving = time.monotonic()
         try:
-            decode, landing = await self._reserve(route)
+            decode, landing = await self._reserve(route, ranked)
         except BaseException:
             if prefill is not None:
                 await self._drop_prefill(prefill)
@@ -527,12 +527,15 @@ class Generation:
             if not end.done():
                 end.set_exception(exc)
 
-    async def _reserve(self, route: RouteRequest) -> tuple[NodeState, LandingDescriptor]:
+    async def _reserve(
+        self, route: RouteRequest, ranked: list[NodeState]
+    ) -> tuple[NodeState, LandingDescriptor]:
+        """Reserve on the first decode node of ``ranked`` that takes the request; while every one
+        is full, wait and rank them again (up to ``admission_wait_s``)."""
         router = self.d.router
         give_up = time.monotonic() + self.d.admission_wait_s
         backoff = 0.01
         while True:
-            ranked = router.rank(Role.DECODE, route)
             if not ranked:
                 raise ProxyError(503, "no compatible decode node is available", retry_after=1)
             full: list[NodeError] = []
@@ -585,6 +588,7 @@ class Generation:
                 )
             await asyncio.sleep(min(backoff, give_up - now))
             backoff = min(2 * backoff, 0.2)
+            ranked = router.rank(Role.DECODE, route)
 
     async def _prefill(
         self,

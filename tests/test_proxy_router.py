@@ -199,3 +199,56 @@ def test_the_load_a_reply_carries_is_the_router_s_view_of_the_node_at_once():
     asyncio.run(main())
     assert node.load == NodeLoad(3, 2, 1, 10, 100, 480)
     assert node.load_score == 6 and node.queued_prefill_tokens == 480 and node.free_block_fraction == 0.1
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_each_request_ranks_the_decode_nodes_once(overlap):
+    """A policy's rotation turns once per ranking: with the prefill sent while the decode node
+    reserves, the proxy still ranks the decode nodes once a request, so round-robin alternates
+    (ranked twice, every request started on the same node)."""
+    from pdserve.metrics import Registry
+    from pdserve.proxy.channel import NodeError
+    from pdserve.proxy.dispatch import Dispatcher
+    from pdserve.proxy.protocol import ProxyError
+    from pdserve.sampling_params import SamplingParams
+
+    r = router([info("prefill")], [info("decode", node_id="d0"), info("decode", node_id="d1")])
+    r.policy = RoundRobin()
+    reserved_on: list[str] = []
+    prefills: list[str] = []
+
+    aborted: list[str] = []
+
+    def refuse_on(node):
+        async def reserve(msg, timeout=None):
+            reserved_on.append(node.node_id)
+            await asyncio.sleep(0.01)
+            raise NodeError(node.url, "bad request", 400)  # ends the attempt after its reserve
+
+        return reserve
+
+    async def prefill(msg, timeout=None, sent=None):
+        prefills.append(msg.request_id)
+        assert msg.landing is None  # it follows the reservation
+        await asyncio.sleep(3600)  # cancelled when the reservation fails
+
+    async def abort(request_id, timeout=5.0):
+        aborted.append(request_id)
+
+    for node in r.decode:
+        node.client.reserve = refuse_on(node)
+    r.prefill[0].client.prefill = prefill
+    r.prefill[0].client.abort = abort
+    d = Dispatcher(r, Registry(), overlap_reserve=overlap)
+
+    async def main() -> None:
+        for i in range(4):
+            gen = d.start(f"r{i}", list(range(64)), SamplingParams(max_tokens=2), 1e9)
+            with pytest.raises(ProxyError):
+                await gen.next()
+        await asyncio.sleep(0.01)  # the aborts, spawned in the background
+
+    asyncio.run(main())
+    assert reserved_on == ["d0", "d1", "d0", "d1"]
+    # Sent early with the prefill, then dropped with the reservation: aborted on the prefill node.
+    assert prefills == aborted == (["r0", "r1", "r2", "r3"] if overlap else [])
