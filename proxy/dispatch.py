@@ -55,6 +55,7 @@ from pdserve.proxy.channel import NodeError
 from pdserve.proxy.protocol import ProxyError
 from pdserve.proxy.router import NodeState, Router, RouteRequest
 from pdserve.sampling_params import SamplingParams
+from pdserve.utils import cdiv
 
 logger = logging.getLogger(__name__)
 
@@ -180,6 +181,15 @@ class NodeDied(Exception):
         super().__init__(f"{node.role} node {node.url}: {message}")
         self.node = node
         self.message = message
+
+
+def _has_room(decode: NodeState, route: RouteRequest) -> bool:
+    """Whether ``decode``, as it last said, has free KV blocks for the part of the prompt it does
+    not hold (unknown: yes)."""
+    load = decode.load
+    if load is None:
+        return True
+    return load.free_blocks >= cdiv(route.num_tokens - route.cached_tokens(decode), route.block_size)
 
 
 def _node_failure(node: NodeState, exc: NodeError, what: str) -> ProxyError:
@@ -356,12 +366,19 @@ class Generation:
             if route.index == "unavailable":
                 self.d.index_unavailable.inc()
         # The prompt goes to a prefill node while the decode node reserves (its landing follows),
-        # when the decode node first in line would have it computed on a prefill node. The
-        # ranking is taken once (``_reserve`` starts with it): a policy's rotation turns at each.
+        # when the decode node first in line would have it computed on a prefill node and, as it
+        # last said, has the blocks for it (a full one may keep the reservation waiting, and a
+        # prompt computed for a reservation that never comes is work lost). The ranking is taken
+        # once (``_reserve`` starts with it): a policy's rotation turns at each.
         ranked = self.d.router.rank(Role.DECODE, route)
         landing_now: asyncio.Future | None = None
         prefill = None
-        if self.d.overlap_reserve and ranked and not self.d.plan_prefill(ranked[0], route):
+        if (
+            self.d.overlap_reserve
+            and ranked
+            and not self.d.plan_prefill(ranked[0], route)
+            and _has_room(ranked[0], route)
+        ):
             landing_now = asyncio.get_running_loop().create_future()
             prefill = asyncio.ensure_future(self._prefill(route, None, landing_now))
         self._prefill_task = prefill

@@ -201,11 +201,11 @@ def test_the_load_a_reply_carries_is_the_router_s_view_of_the_node_at_once():
     assert node.load_score == 6 and node.queued_prefill_tokens == 480 and node.free_block_fraction == 0.1
 
 
-@pytest.mark.parametrize("overlap", [True, False])
-def test_each_request_ranks_the_decode_nodes_once(overlap):
-    """A policy's rotation turns once per ranking: with the prefill sent while the decode node
-    reserves, the proxy still ranks the decode nodes once a request, so round-robin alternates
-    (ranked twice, every request started on the same node)."""
+def _four_failed_reservations(overlap: bool, free_blocks: int | None = None):
+    """Four requests through a dispatcher whose two decode nodes (round-robin) refuse every
+    reservation with a 400 after 10 ms, and whose prefill node takes prefills it never ends;
+    ``free_blocks``: the decode nodes' last load said this many free blocks. The decode node of
+    each reservation, the prefills sent, the aborts the prefill node got."""
     from pdserve.metrics import Registry
     from pdserve.proxy.channel import NodeError
     from pdserve.proxy.dispatch import Dispatcher
@@ -216,7 +216,6 @@ def test_each_request_ranks_the_decode_nodes_once(overlap):
     r.policy = RoundRobin()
     reserved_on: list[str] = []
     prefills: list[str] = []
-
     aborted: list[str] = []
 
     def refuse_on(node):
@@ -237,6 +236,8 @@ def test_each_request_ranks_the_decode_nodes_once(overlap):
 
     for node in r.decode:
         node.client.reserve = refuse_on(node)
+        if free_blocks is not None:
+            node.load = NodeLoad(0, 0, 0, free_blocks, 100, 0)
     r.prefill[0].client.prefill = prefill
     r.prefill[0].client.abort = abort
     d = Dispatcher(r, Registry(), overlap_reserve=overlap)
@@ -249,6 +250,22 @@ def test_each_request_ranks_the_decode_nodes_once(overlap):
         await asyncio.sleep(0.01)  # the aborts, spawned in the background
 
     asyncio.run(main())
+    return reserved_on, prefills, aborted
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_each_request_ranks_the_decode_nodes_once(overlap):
+    """A policy's rotation turns once per ranking: with the prefill sent while the decode node
+    reserves, the proxy still ranks the decode nodes once a request, so round-robin alternates
+    (ranked twice, every request started on the same node)."""
+    reserved_on, prefills, aborted = _four_failed_reservations(overlap)
     assert reserved_on == ["d0", "d1", "d0", "d1"]
     # Sent early with the prefill, then dropped with the reservation: aborted on the prefill node.
     assert prefills == aborted == (["r0", "r1", "r2", "r3"] if overlap else [])
+
+
+def test_no_early_prefill_for_a_decode_node_without_room():
+    """The 64-token prompt needs 4 blocks: a decode node that last said it had 3 free gets the
+    reservation first and the prefill after it; one with 4 gets both at once."""
+    assert _four_failed_reservations(True, free_blocks=3)[1] == []
+    assert _four_failed_reservations(True, free_blocks=4)[1] == ["r0", "r1", "r2", "r3"]
