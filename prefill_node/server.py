@@ -49,6 +49,7 @@ import enum
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -191,41 +192,56 @@ class PrefillService(NodeService):
 
     def _add_call(self, call: AddPrefill) -> Future | None:
         """The node's prefill: handshake with its decode node first (once per node; one call, not
-        two, so a prompt costs one round trip to the core), then open its shipment and queue it.
-        Answered at once when that decode node's handshake already succeeded, else when it ends;
-        a prompt ended (``forget``, ``close``) while it waits is not added."""
+        two, so a prompt costs one round trip to the core), then open its shipment and queue it
+        (``_after_handshake``); a prompt ended (``forget``, ``close``) while it waits is not added."""
         msg = call.msg
         if msg.landing is None:  # it follows (``_land_call``): the prompt starts now
             self._open_and_add(msg)
             return None
-        shaken = self.handshake(msg.landing.kv_address)
-        if shaken.done():
+        rid = msg.request_id
+        self._awaiting_handshake.add(rid)
+
+        def still_wanted() -> bool:
+            if rid not in self._awaiting_handshake:
+                return False
+            self._awaiting_handshake.discard(rid)
+            return True
+
+        return self._after_handshake(
+            msg.landing.kv_address, rid, still_wanted, lambda: self._open_and_add(msg)
+        )
+
+    def _after_handshake(
+        self, address: str, rid: str, still_wanted: Callable[[], bool], then: Callable[[], None]
+    ) -> Future | None:
+        """Run ``then`` (engine loop) once the handshake with the decode node at ``address``
+        succeeded and the prompt is ``still_wanted``: at once (None) when that handshake already
+        ended, raising its failure; else when it ends, answering the returned Future."""
+        shaken = self.handshake(address)
+
+        def run() -> None:
+            if not still_wanted():
+                why = f"prefill {rid!r} ended before its decode node's handshake did"
+                raise NodeRefused(499, why, "cancelled")
             if shaken.exception() is not None:
                 raise shaken.exception()
-            self._open_and_add(msg)
+            then()
+
+        if shaken.done():
+            run()
             return None
         answer: Future = Future()
-        self._awaiting_handshake.add(msg.request_id)
-        shaken.add_done_callback(
-            lambda f: self.state.loop.submit(lambda engine: self._add_after_handshake(msg, f, answer))
-        )
-        return answer
 
-    def _add_after_handshake(self, msg: PrefillRequest, shaken: Future, answer: Future) -> None:
-        rid = msg.request_id
-        if rid not in self._awaiting_handshake:  # its handler gave up (and ended it) meanwhile
-            why = f"prefill {rid!r} ended before its handshake did"
-            answer.set_exception(NodeRefused(499, why, "cancelled"))
-            return
-        self._awaiting_handshake.discard(rid)
-        try:
-            if shaken.exception() is not None:
-                raise shaken.exception()
-            self._open_and_add(msg)
-        except BaseException as exc:  # noqa: BLE001 - the answer carries it
-            answer.set_exception(exc)
-        else:
-            answer.set_result(None)
+        def finish(engine: LLMEngine) -> None:
+            try:
+                run()
+            except BaseException as exc:  # noqa: BLE001 - the answer carries it
+                answer.set_exception(exc)
+            else:
+                answer.set_result(None)
+
+        shaken.add_done_callback(lambda _: self.state.loop.submit(finish))
+        return answer
 
     def _open_and_add(self, msg: PrefillRequest) -> None:
         shipment = self.open(msg)  # its lease is renewed from now on
@@ -256,42 +272,24 @@ class PrefillService(NodeService):
 
     def _land_call(self, call: LandPrefill) -> Future | None:
         """A landing that came after its prompt (``PrefillLanding``): handshake with its decode
-        node first (once per node), then ``land``. Answered at once when that handshake already
-        succeeded, else when it ends; 404 when no prompt of that id awaits a landing here."""
+        node first (once per node), then ``land`` (``_after_handshake``); 404 when no prompt of
+        that id awaits a landing here."""
         landing = call.landing
         rid = landing.request_id
         shipment = self.shipments.get(rid)
-        if shipment is None or shipment.landing is not None or shipment.stage is Stage.DONE:
+
+        def still_wanted() -> bool:
+            return (
+                self.shipments.get(rid) is shipment
+                and shipment.landing is None
+                and shipment.stage is not Stage.DONE
+            )
+
+        if shipment is None or not still_wanted():
             raise NodeRefused(404, f"no prefill of {rid!r} awaits a landing here", "not_found")
-        shaken = self.handshake(landing.kv_address)
-        if shaken.done():
-            if shaken.exception() is not None:
-                raise shaken.exception()
-            self.land(shipment, landing)
-            return None
-        answer: Future = Future()
-
-        def after(f: Future) -> None:
-            self.state.loop.submit(lambda engine: self._land_after_handshake(shipment, landing, f, answer))
-
-        shaken.add_done_callback(after)
-        return answer
-
-    def _land_after_handshake(
-        self, shipment: Shipment, landing: LandingDescriptor, shaken: Future, answer: Future
-    ) -> None:
-        if self.shipments.get(shipment.request_id) is not shipment or shipment.stage is Stage.DONE:
-            why = f"prefill {shipment.request_id!r} ended before its decode node's handshake did"
-            answer.set_exception(NodeRefused(499, why, "cancelled"))
-            return
-        try:
-            if shaken.exception() is not None:
-                raise shaken.exception()
-            self.land(shipment, landing)
-        except BaseException as exc:  # noqa: BLE001 - the answer carries it
-            answer.set_exception(exc)
-        else:
-            answer.set_result(None)
+        return self._after_handshake(
+            landing.kv_address, rid, still_wanted, lambda: self.land(shipment, landing)
+        )
 
     def land(self, shipment: Shipment, landing: LandingDescriptor) -> None:
         """The shipment's landing is known: its lease is renewed from now, the blocks its next
