@@ -18,7 +18,10 @@ stream pair up in order) get one.
    (``kv_transfer.plane``) answers with its own struct and moves the blocks: zmq in frames on
    this connection (``zmq_backend``), nixl and nccl (``nixl_backend``, ``nccl_backend``) on
    their own data plane, using this connection for control only.
-3. Data messages of the chosen plane, handed to it (``ReceiverPlane.handle``).
+3. Data messages of the chosen plane, handed to it (``ReceiverPlane.handle``). A plane with small
+   messages only (``ReceiverPlane.lane``: nixl, nccl) gets a lane with its set-up reply: a plain
+   TCP connection the receiver's control thread reads itself, which carries every later message of
+   the session both ways, without ZeroMQ's I/O threads (``kv_transfer.lane``).
 4. ``[KVRenew]``: extend leases, no reply.
 5. ``[KVCommit]`` -> ``[KVAck]``: the ack says whether every layer of every block landed
    inside a live reservation. The sender sends the commit right behind the data, without waiting
@@ -46,7 +49,9 @@ import collections
 import hmac
 import itertools
 import logging
+import os
 import queue
+import socket
 import threading
 import time
 import uuid
@@ -55,6 +60,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+import msgspec
 import torch
 import zmq
 from zmq.utils.monitor import parse_monitor_message
@@ -73,6 +79,7 @@ from pdserve.kv_transfer.base import (
     check_compatible,
     copy_to_cpu,
 )
+from pdserve.kv_transfer.lane import TOKEN_BYTES, LaneClosed, ReceiverLane, SenderLane
 from pdserve.kv_transfer.messages import (
     REPLIES,
     REQUESTS,
@@ -80,6 +87,8 @@ from pdserve.kv_transfer.messages import (
     KVCommit,
     KVHandshake,
     KVHandshakeReply,
+    KVLane,
+    KVLaneReply,
     KVMessage,
     KVRenew,
     KVSetup,
@@ -99,6 +108,13 @@ one that never passes the handshake, can make the node hold (RECEIVE_HWM * the l
 MESSAGES_PER_TURN = 16
 """Messages the receiver's control thread takes in a row before it polls its planes again."""
 HANDSHAKE_RESEND_S = 1.0
+LANE_TOKEN_S = 5.0
+"""A lane that has not presented a token this long after it was accepted is closed."""
+MAX_PENDING_LANES = 64
+"""Lanes accepted and not yet bound by a token, at most (the oldest is closed first): bounds what
+connections to the lane port that never present a token can make the node hold."""
+LANE_CONNECT_S = 2.0
+"""How long a sender tries to open a lane before it keeps the session on the control connection."""
 REFUSED_DRAIN_S = 1.0
 """After a refused commit, how long the sender waits for its data to finish leaving before it
 takes the connection for broken (the peer drains data before it answers the commit)."""
@@ -146,6 +162,8 @@ class _Conn:
 
     fd: int
     transport: str = ""  # agreed at set-up; "" before
+    lane: ReceiverLane | None = None  # the session's lane, once its sender opened it
+    lane_token: bytes = b""  # the token its last set-up handed out, until a lane presents it
 
 
 class _Outbox(Outbox):
@@ -158,23 +176,24 @@ class _Outbox(Outbox):
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.connect(address)
         self._lock = threading.Lock()
-        self._router = None
+        self._send: Callable[[bytes, bytes], None] | None = None
         self._owner = 0
 
-    def own(self, router) -> None:
-        """Called by the control thread: its own replies go straight out on ``router``."""
-        self._router, self._owner = router, threading.get_ident()
+    def own(self, send: Callable[[bytes, bytes], None]) -> None:
+        """Called by the control thread: its own replies go straight out through ``send`` (the
+        peer's lane, or the ROUTER socket)."""
+        self._send, self._owner = send, threading.get_ident()
 
     def put(self, peer: bytes, msg: KVMessage) -> None:
-        if self._router is not None and threading.get_ident() == self._owner:
-            self._router.send_multipart([peer, encode(msg)])
+        if self._send is not None and threading.get_ident() == self._owner:
+            self._send(peer, encode(msg))
             return
         with self._lock:
             self._sock.send_multipart([peer, encode(msg)])
 
     def close(self) -> None:
         with self._lock:
-            self._router = None
+            self._send = None
             self._sock.close(linger=0)
 
 
@@ -201,6 +220,10 @@ class ControlReceiver(KVReceiver):
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._conns: dict[bytes, _Conn] = {}  # routing id -> connection that passed the handshake
+        self._lanes: dict[int, ReceiverLane] = {}  # fd -> lane (bound to a connection, or not yet)
+        self._tokens: dict[bytes, bytes] = {}  # lane token handed out -> routing id it binds to
+        self._poller: zmq.Poller | None = None
+        self._lane_port = 0
         self._warn = WarnLimiter()
         self.num_refused = 0  # messages refused (tests and logs)
 
@@ -225,6 +248,10 @@ class ControlReceiver(KVReceiver):
         else:
             port = sock.bind_to_random_port(f"tcp://{self.host}")
         address = f"tcp://{self.host}:{port}"
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        listener = socket.create_server((self.host, 0), family=family, backlog=MAX_PENDING_LANES)
+        listener.setblocking(False)
+        self._lane_port = listener.getsockname()[1]
         pull = self._ctx.socket(zmq.PULL)
         pull.setsockopt(zmq.LINGER, 0)
         outbox_address = f"inproc://pdserve-kv-outbox-{next(_instances)}"
@@ -233,7 +260,10 @@ class ControlReceiver(KVReceiver):
         for plane in self.planes.values():
             plane.start(self.kv, table, self._outbox, on_commit, self.host)
         self._thread = threading.Thread(
-            target=self._serve, args=(sock, pull, info, table, on_commit), name="kv-receiver", daemon=True
+            target=self._serve,
+            args=(sock, pull, listener, info, table, on_commit),
+            name="kv-receiver",
+            daemon=True,
         )
         self._thread.start()
         return address
@@ -247,31 +277,37 @@ class ControlReceiver(KVReceiver):
 
     # -- receiver thread -----------------------------------------------------------------------
 
-    def _serve(self, sock, pull, info: NodeInfo, table: ReservationTable, on_commit) -> None:
+    def _serve(self, sock, pull, listener, info: NodeInfo, table: ReservationTable, on_commit) -> None:
         # Connections accepted and closed: per-connection state must not outlive its connection.
         monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
-        self._outbox.own(sock)
+        self._router = sock
+        self._outbox.own(self._send_to)
         if self.kv.is_cuda:  # planes work on the cache from this thread (NIXL asks about pointers)
             torch.cuda.set_device(self.kv.device)
-        poller = zmq.Poller()
+        poller = self._poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(pull, zmq.POLLIN)
+        poller.register(listener.fileno(), zmq.POLLIN)
         try:
             while not self._stop.is_set():
                 try:
-                    self._serve_once(poller, sock, pull, monitor, info, table, on_commit)
+                    self._serve_once(poller, sock, pull, listener, monitor, info, table, on_commit)
                 except zmq.ContextTerminated:
                     return
                 except Exception:  # nothing a peer sends may stop this thread
                     logger.exception("KV receiver: unexpected error (still serving)")
         finally:
             self._outbox.close()
+            for lane in list(self._lanes.values()):
+                lane.close()
+            self._lanes.clear()
+            listener.close()
             sock.disable_monitor()
             monitor.close(linger=0)
             pull.close(linger=0)
             sock.close(linger=0)
 
-    def _serve_once(self, poller, sock, pull, monitor, info, table, on_commit) -> None:
+    def _serve_once(self, poller, sock, pull, listener, monitor, info, table, on_commit) -> None:
         busy = False
         for plane in self.planes.values():
             busy |= plane.poll()
@@ -283,9 +319,14 @@ class ControlReceiver(KVReceiver):
         if pull in events:
             while True:
                 try:
-                    sock.send_multipart(pull.recv_multipart(zmq.NOBLOCK))
+                    peer, body = pull.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
                     break
+                self._send_to(peer, body)
+        if listener.fileno() in events:
+            self._accept_lanes(listener)
+        if self._lanes:
+            self._serve_lanes(events, info, table, on_commit)
         if sock not in events:
             return
         # Every message already here before the planes are polled again: a sender's data and the
@@ -308,7 +349,117 @@ class ControlReceiver(KVReceiver):
                 self._refused("dropping a malformed KV message: %s", e)
                 reply = None
             if reply is not None:
-                sock.send_multipart([frames[0], encode(reply)])
+                self._send_to(peer, encode(reply))
+
+    def _send_to(self, peer: bytes, body: bytes) -> None:
+        """A reply to ``peer``: on its lane where it has one, else on the control connection."""
+        conn = self._conns.get(peer)
+        lane = conn.lane if conn is not None else None
+        if lane is None:
+            self._router.send_multipart([peer, body])
+            return
+        try:
+            lane.write(body)
+        except LaneClosed as e:
+            self._close_lane(lane, str(e))
+            return
+        if lane.out:  # the rest goes once the socket takes it
+            self._poller.modify(lane.fd, zmq.POLLIN | zmq.POLLOUT)
+
+    # -- lanes (``kv_transfer.lane``) ---------------------------------------------------------------
+
+    def _accept_lanes(self, listener: socket.socket) -> None:
+        largest = max(MAX_MESSAGE_BYTES, *(p.max_message_bytes for p in self.planes.values()))
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:  # out of file descriptors, say: the listener stays
+                logger.warning("KV receiver: accepting a lane failed: %s", e)
+                return
+            lane = ReceiverLane(conn, largest + (1 << 20))
+            self._lanes[lane.fd] = lane
+            self._poller.register(lane.fd, zmq.POLLIN)
+            pending = [ln for ln in self._lanes.values() if ln.peer is None]
+            if len(pending) > MAX_PENDING_LANES:
+                self._close_lane(min(pending, key=lambda ln: ln.opened), "too many lanes without a token")
+
+    def _serve_lanes(self, events: dict, info: NodeInfo, table: ReservationTable, on_commit) -> None:
+        now = time.monotonic()
+        for lane in list(self._lanes.values()):
+            if lane.fd not in self._lanes:  # closed while serving another
+                continue
+            if lane.peer is None and now - lane.opened > LANE_TOKEN_S:
+                self._close_lane(lane, "no token in time")
+                continue
+            flags = events.get(lane.fd, 0)
+            if not flags:
+                continue
+            try:
+                if flags & zmq.POLLOUT:
+                    lane.flush()
+                    if not lane.out:
+                        self._poller.modify(lane.fd, zmq.POLLIN)
+                if flags & (zmq.POLLIN | zmq.POLLERR):
+                    for body in lane.read():
+                        self._lane_message(lane, body, info, table, on_commit)
+                        if lane.fd not in self._lanes:
+                            break
+            except LaneClosed as e:
+                self._close_lane(lane, str(e))
+
+    def _lane_message(self, lane: ReceiverLane, body: bytes, info, table, on_commit) -> None:
+        if lane.peer is None:  # the first message: the token of the set-up it belongs to
+            try:
+                token = decode(body, KVLane).token
+            except Exception:
+                self._refused("closing a KV lane that did not start with its token")
+                raise LaneClosed("no token first") from None
+            peer = self._tokens.pop(token, None)
+            conn = self._conns.get(peer) if peer is not None else None
+            if conn is None or not hmac.compare_digest(conn.lane_token, token):
+                self._refused("closing a KV lane with an unknown token")
+                lane.write(encode(KVLaneReply(ok=False, error="unknown lane token")))
+                raise LaneClosed("unknown token")
+            conn.lane_token = b""
+            if conn.lane is not None:  # a lane already: the new one replaces it
+                self._close_lane(conn.lane, "replaced", forget=False)
+            conn.lane, lane.peer = lane, peer
+            self._send_to(peer, encode(KVLaneReply(ok=True)))
+            return
+        conn = self._conns.get(lane.peer)
+        if conn is None or conn.lane is not lane:
+            raise LaneClosed("its connection is gone")
+        try:
+            msg = decode(body, REQUESTS)
+        except Exception as e:
+            self._refused("dropping a malformed KV message on a lane: %s", e)
+            return
+        if isinstance(msg, (KVHandshake, KVSetup)):  # those belong on the control connection
+            self._refused("closing a KV lane that carried a %s", type(msg).__name__)
+            raise LaneClosed(f"a {type(msg).__name__} on the lane")
+        try:
+            reply = self._dispatch(lane.peer, conn, msg, (), table, on_commit)
+        except Exception as e:  # a bad message must never take the node down
+            self._refused("dropping a KV message on a lane: %s", e)
+            reply = None
+        if reply is not None:
+            self._send_to(lane.peer, encode(reply))
+
+    def _close_lane(self, lane: ReceiverLane, why: str, forget: bool = True) -> None:
+        """Close ``lane``; the connection it belongs to goes with it (``forget``): its sender starts
+        afresh, as after its control connection closed."""
+        if self._lanes.pop(lane.fd, None) is not None:
+            self._poller.unregister(lane.fd)
+        lane.close()
+        peer, lane.peer = lane.peer, None
+        conn = self._conns.get(peer) if peer is not None else None
+        if conn is not None and conn.lane is lane:
+            conn.lane = None
+            logger.info("KV lane of a peer closed (%s)", why)
+            if forget:
+                self._forget(peer)
 
     def _drain_monitor(self, monitor) -> None:
         while True:
@@ -325,7 +476,13 @@ class ControlReceiver(KVReceiver):
 
     def _forget(self, peer: bytes) -> None:
         conn = self._conns.pop(peer, None)
-        plane = self.planes.get(conn.transport) if conn is not None else None
+        if conn is None:
+            return
+        self._tokens.pop(conn.lane_token, None)
+        if conn.lane is not None:
+            lane, conn.lane = conn.lane, None
+            self._close_lane(lane, "its connection is gone")
+        plane = self.planes.get(conn.transport)
         if plane is not None:
             plane.drop(peer)
 
@@ -366,6 +523,10 @@ class ControlReceiver(KVReceiver):
                 return KVHandshakeReply(ok=False, error=error, info=info)
             self._conns[peer] = _Conn(fd)
             return KVHandshakeReply(ok=True, info=info)
+        return self._dispatch(peer, conn, msg, frames[1:], table, on_commit)
+
+    def _dispatch(self, peer: bytes, conn: _Conn | None, msg: KVMessage, payload, table, on_commit):
+        """A message after the handshake, from the control connection or the lane."""
         if conn is None:
             # Whoever waits for an answer learns that this connection must start afresh (its state
             # is gone: a new connection under an old routing id, or a bug here); not a refusal of
@@ -375,9 +536,9 @@ class ControlReceiver(KVReceiver):
             if isinstance(commit, KVCommit):  # alone, or carried by a send's last data message
                 return KVAck(request_id=commit.request_id, ok=False, error="handshake first", lost=True)
             return msg.refused("handshake first") if isinstance(msg, KVSetup) else None
-        num_frames = 1 + msg.payload_frames
-        if len(frames) != num_frames:
-            return self._refuse(msg, f"{len(frames)} frames where {num_frames} belong", table)
+        if len(payload) != msg.payload_frames:
+            why = f"{1 + len(payload)} frames where {1 + msg.payload_frames} belong"
+            return self._refuse(msg, why, table)
         if isinstance(msg, KVSetup):
             return self._setup(peer, conn, msg)
         if isinstance(msg, KVRenew):
@@ -398,7 +559,7 @@ class ControlReceiver(KVReceiver):
         if commit is not None and commit.request_id != msg.request_id:
             why = f"carries the commit of another request, {_short(commit.request_id)}"
             return self._refuse(msg, why, table)
-        error = plane.handle(peer, msg, frames[1:])
+        error = plane.handle(peer, msg, payload)
         if error:
             return self._refuse(msg, error, table)
         if commit is not None and not plane.handles_commit:
@@ -423,6 +584,10 @@ class ControlReceiver(KVReceiver):
             )
         previous = self.planes.get(conn.transport)
         conn.transport = ""
+        if conn.lane is not None:  # the session set up again: its lane goes, the connection stays
+            self._close_lane(conn.lane, "set up again", forget=False)
+        self._tokens.pop(conn.lane_token, None)
+        conn.lane_token = b""
         if previous is not None:
             previous.drop(peer)
         try:
@@ -432,6 +597,10 @@ class ControlReceiver(KVReceiver):
             reply = KVSetupReply(ok=False, error=f"{chosen} set-up failed on the decode node: {e}")
         if reply.ok:
             conn.transport = chosen
+            if self.planes[chosen].lane:
+                conn.lane_token = os.urandom(TOKEN_BYTES)
+                self._tokens[conn.lane_token] = peer
+                reply = msgspec.structs.replace(reply, lane_port=self._lane_port, lane_token=conn.lane_token)
         return reply
 
 
@@ -470,6 +639,7 @@ class _Peer(ControlLink):
         self.address = address
         self.jobs: queue.Queue[_Job | None] = queue.Queue()
         self.sock = None
+        self.lane: SenderLane | None = None  # the session's lane, where the receiver offered one
         self.peer_info: NodeInfo | None = None
         self.transport = ""  # agreed at set-up; "" before
         self.session: SenderSession | None = None  # the chosen plane's connection
@@ -499,6 +669,9 @@ class _Peer(ControlLink):
         if self.sock is not None:
             self.sock.close(linger=0)
             self.sock = None
+        if self.lane is not None:
+            self.lane.close()
+            self.lane = None
         if self.session is not None:
             try:
                 quiet_at = self.session.close()
@@ -548,25 +721,37 @@ class _Peer(ControlLink):
         """The next reply of type ``kind`` (for KVAck: of the request awaited); others go to the
         session (``SenderSession.received``), which skips what it does not wait for. ``resend``
         goes out again every HANDSHAKE_RESEND_S without an answer; ``idle`` (a data plane's
-        progress call) runs every millisecond without one."""
+        progress call) runs every millisecond without one. Replies come on the lane once there is
+        one (the receiver answers there), else on the control connection."""
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise KVTransferError(f"no reply from KV peer {self.address} in time")
             wait = min(left, HANDSHAKE_RESEND_S) if resend else left
-            if not self.sock.poll(1 if idle is not None else int(wait * 1000) + 1):
+            if self.lane is not None:
+                body = self.lane.recv(0.001 if idle is not None else wait)
+            elif self.sock.poll(1 if idle is not None else int(wait * 1000) + 1):
+                body = self.sock.recv()
+            else:
+                body = None
+            if body is None:
                 if idle is not None:
                     idle()
                 if resend and time.monotonic() < deadline:
                     self.send(resend, deadline)
                 continue
-            msg = decode(self.sock.recv(), REPLIES)
+            msg = decode(body, REPLIES)
             if isinstance(msg, kind) and (not isinstance(msg, KVAck) or msg.request_id == self._waiting_for):
                 return msg
             if self.session is not None:  # a data plane's report (nixl: a READ over) while waiting
                 self.session.received(msg)
 
     def send(self, frames: list, deadline: float) -> None:
+        if self.lane is not None:
+            if len(frames) != 1:
+                raise KVTransferError(f"a message of {len(frames)} frames for a lane (which carries one)")
+            self.lane.send(frames[0], deadline)
+            return
         while True:
             try:
                 self.sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
@@ -597,9 +782,37 @@ class _Peer(ControlLink):
         plane = self.sender.planes.get(chosen.transport)
         if plane is None:
             raise KVTransferError(f"KV peer {self.address} chose {chosen.transport!r}, which was not offered")
+        if chosen.lane_port:
+            self._open_lane(chosen, deadline)
         self.session = plane.connect(self, setup, chosen, deadline)
         self.transport = chosen.transport
         self.peer_info = reply.info
+
+    def _open_lane(self, chosen: KVSetupReply, deadline: float) -> None:
+        """Open the session's lane and present the set-up's token. A lane port that cannot be
+        reached (a firewall) keeps the session on the control connection, with a warning; a lane
+        refused or broken while it opens fails the job (the next one starts afresh)."""
+        host = self.address.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+        largest = MAX_MESSAGE_BYTES + (1 << 20)
+        try:
+            until = min(deadline, time.monotonic() + LANE_CONNECT_S)
+            lane = SenderLane.connect(host, chosen.lane_port, until, largest)
+        except KVTransferError as e:
+            logger.warning("%s; the KV session to %s stays on its control connection", e, self.address)
+            return
+        try:
+            lane.send(encode(KVLane(token=chosen.lane_token)), deadline)
+            body = lane.recv(max(deadline - time.monotonic(), 0.0))
+            if body is None:
+                raise KVTransferError(f"KV peer {self.address} did not answer on the lane in time")
+            answer = decode(body, KVLaneReply)
+        except BaseException:
+            lane.close()
+            raise
+        if not answer.ok:
+            lane.close()
+            raise KVTransferError(f"KV peer {self.address} refused the lane: {answer.error}")
+        self.lane = lane
 
     def _do(self, job: _Job, deadline: float):
         if self.refused:

@@ -17,6 +17,9 @@ proxy<->node messages stay there. In protocol order:
    one round trip. zmq and nixl carry it inside their last data message (``commit``): a one-block
    send is then one message each way.
 
+Planes with small messages only (nixl, nccl) move everything after step 2 onto the session's lane,
+a plain TCP connection opened with ``KVLane`` -> ``KVLaneReply`` (``kv_transfer.lane``).
+
 A message that waits for an answer says how a refusal is answered (``refused``), so the control
 host can refuse any of them without knowing the plane it belongs to.
 """
@@ -108,6 +111,22 @@ class KVSetupReply(KVMessage):
     """A refusal that asking again cannot change (no transport in common): the sender stops trying
     this peer. Any other refusal (the connection lost its handshake, a plane's set-up failed) ends
     only this connection; the next request starts afresh."""
+    lane_port: int = 0
+    """Where the session's lane is opened (``kv_transfer.lane``), on the control connection's host;
+    0: the chosen plane takes none, its messages stay on the control connection."""
+    lane_token: bytes = b""
+    """What the sender presents first on the lane (``KVLane``): binds it to this connection, once."""
+
+
+class KVLane(KVMessage):
+    """The first message on a lane: the token of the set-up it belongs to."""
+
+    token: bytes
+
+
+class KVLaneReply(KVMessage):
+    ok: bool
+    error: str = ""
 
 
 class KVCommit(KVMessage):

@@ -425,6 +425,7 @@ class NcclReceiverPlane(ReceiverPlane):
     name = "nccl"
     messages = (KVSend,)
     handles_commit = True  # a commit must wait for the chunks queued on its pair's thread
+    lane = True  # its messages are small: after set-up they take the session's lane
 
     def __init__(self, options: NcclOptions = NcclOptions()) -> None:
         super().__init__()

@@ -51,7 +51,7 @@ dead peer), the send fails at once, but its blocks (``KVSendFuture.released``) a
 are given back only once each READ it offered and did not hear the end of is past the time the
 decode node was given for it, plus the margin (``NixlSession.close``).
 
-Per send (control messages in ``kv_transfer/messages.py`` on the control connection):
+Per send (control messages in ``kv_transfer/messages.py`` on the session's lane):
 
 1. prefill: wait for the kernels that wrote the blocks (CUDA: an event recorded by ``send``);
 2. prefill -> decode ``KVReady`` (request id, transfer id, source and destination block ids,
@@ -66,11 +66,13 @@ Per send (control messages in ``kv_transfer/messages.py`` on the control connect
    one round trip a send, during which the bytes move; the ack also tells the prefill node that
    its blocks are not read any more.
 
-Everything between the two nodes but the bytes themselves travels on the control connection:
-no thread hand-off on the decode node, and the prefill node's sender wakes on the reply rather
-than polling for a NIXL notification. Agent metadata is exchanged inside ``KVSetup``/
-``KVSetupReply`` on that authenticated connection, whose handshake is resent until the listener
-answers, rather than through NIXL's own listener (``NixlOffer``/``NixlAccept``). Options
+Everything between the two nodes but the bytes themselves travels on the session's lane (a plain
+TCP connection beside the control connection, ``kv_transfer.lane``): the decode node's control
+thread reads it itself, the prefill node's peer thread wakes on the reply rather than polling for a
+NIXL notification, and no ZeroMQ I/O thread stands between them. Agent metadata is exchanged
+inside ``KVSetup``/``KVSetupReply`` on the authenticated control connection, whose handshake is
+resent until the listener answers, rather than through NIXL's own listener (``NixlOffer``/
+``NixlAccept``). Options
 (``NixlOptions``): ``ucx_net_devices`` travels as NIXL's ``ucx_devices`` parameter; ``ucx_tls``
 and the CUDA IPC READ switch reach UCX only through the environment (NIXL's UCX backend passes no
 UCX variables on), which ``pdserve.envs.set_up_ucx`` writes once per process, before its first
@@ -346,6 +348,7 @@ class NixlReceiverPlane(ReceiverPlane):
     name = "nixl"
     messages = (KVReady,)
     handles_commit = True  # a commit waits here for the READs of its request still running
+    lane = True  # its messages are small: after set-up they take the session's lane
 
     def __init__(self, options: NixlOptions = NixlOptions()) -> None:
         super().__init__()
@@ -795,9 +798,10 @@ class _Offered:
 
 
 class NixlSession(SenderSession):
-    """Offers READs on the control connection. The READs offered and not yet reported over
-    (``KVReadDone``) are the session's ``pending``, whatever send offered them: reports the control
-    host receives while it waits for an ack come here too (``received``)."""
+    """Offers READs on the session's lane (the control connection where it has none). The READs
+    offered and not yet reported over (``KVReadDone``) are the session's ``pending``, whatever send
+    offered them: reports the control host receives while it waits for an ack come here too
+    (``received``)."""
 
     def __init__(self, plane: NixlSenderPlane, link: ControlLink, same_gpu: bool = False) -> None:
         self.plane = plane

@@ -84,6 +84,9 @@ class ReceiverPlane(ABC):
     and acks it through the outbox); otherwise the control thread commits directly."""
     max_message_bytes: int = 0
     """The largest message with its payload frames that this plane's senders send (0: small)."""
+    lane: ClassVar[bool] = False
+    """Whether a session of this plane moves its messages onto a lane once set up
+    (``kv_transfer.lane``): for planes whose messages are small and carry no payload frames."""
 
     def __init__(self) -> None:
         self.bytes_received = 0

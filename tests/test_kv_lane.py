@@ -1,0 +1,179 @@
+"""The session lane (``kv_transfer.lane``): a nixl session's messages leave the control connection
+for a plain TCP connection once set up; the lane port takes nothing but a lane whose first frame is
+the token its set-up handed out; a lane and its control connection close together; a sender that
+cannot reach the lane port keeps its messages on the control connection."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import struct
+import time
+
+import pytest
+import torch
+
+from pdserve import kv_transfer
+from pdserve.kv_transfer import KVTransferError, control
+from pdserve.kv_transfer.lane import FrameReader, LaneClosed, frame
+from pdserve.kv_transfer.messages import KVHandshake, KVLane, KVLaneReply
+from pdserve.messages import decode, encode
+from tests.test_kv_transfer_nixl import SMALL, Pair, info
+
+nixl_only = pytest.mark.skipif("nixl" not in kv_transfer.available_transports(), reason="nixl not installed")
+
+
+def test_frames_split_anywhere_come_out_whole_and_an_oversized_one_closes_the_lane():
+    stream = frame(b"a" * 5) + frame(b"") + frame(b"xyz" * 100)
+    for cut in range(len(stream) + 1):
+        reader, out = FrameReader(max_bytes=300), []
+        for part in (stream[:cut], stream[cut:]):
+            reader.feed(part)
+            while (body := reader.next()) is not None:
+                out.append(body)
+        assert out == [b"a" * 5, b"", b"xyz" * 100]
+    reader = FrameReader(max_bytes=299)
+    reader.feed(frame(b"xyz" * 100))
+    with pytest.raises(LaneClosed, match="300 bytes"):
+        reader.next()
+
+
+def _conns(pair: Pair) -> dict:
+    return dict(pair.receiver._conns)
+
+
+def _wait(cond, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def _send_ok(pair: Pair, rid: str, src: list[int], dst: list[int]) -> None:
+    pair.table.add(rid, dst, time.time() + 30)
+    assert pair.send(rid, src, dst).result().ok
+    assert torch.equal(pair.dst[:, dst], pair.src[:, src])
+
+
+@pytest.fixture
+def pair():
+    p = Pair(SMALL, src_blocks=16, dst_blocks=32)
+    p.sender.handshake(p.address, info("prefill", SMALL), 10)
+    yield p
+    p.close()
+
+
+@nixl_only
+def test_a_nixl_session_moves_its_messages_onto_the_lane(pair, monkeypatch):
+    """After the handshake and set-up, nothing more comes on the control connection: the sends,
+    their commits and acks all go over the lane."""
+    on_control = []
+    handle = control.ControlReceiver._handle
+    monkeypatch.setattr(
+        control.ControlReceiver, "_handle", lambda self, *a: (on_control.append(1), handle(self, *a))[1]
+    )
+    peer = pair.sender._peers[pair.address]
+    assert peer.lane is not None
+    (conn,) = _conns(pair).values()
+    assert conn.lane is not None and conn.lane_token == b""
+    for i in range(5):
+        _send_ok(pair, f"r{i}", [i, 10 + i], [2 * i, 20 + i])
+    pair.sender.renew(pair.address, info("prefill", SMALL), ["r0"])
+    _send_ok(pair, "last", [15], [31])  # behind the renewal on the same lane
+    assert on_control == [] and pair.commits == [*(f"r{i}" for i in range(5)), "last"]
+
+
+def _lane_port(pair: Pair) -> int:
+    return pair.receiver._lane_port
+
+
+def _raw_lane(pair: Pair) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", _lane_port(pair)), timeout=5)
+    return sock
+
+
+def _closed(sock: socket.socket, timeout: float = 5.0) -> bool:
+    """True once the receiver closed the lane (EOF or reset), skipping what it wrote before."""
+    sock.settimeout(timeout)
+    try:
+        while sock.recv(4096):
+            pass
+    except ConnectionResetError:
+        pass
+    except TimeoutError:
+        return False
+    return True
+
+
+@nixl_only
+def test_the_lane_port_takes_only_a_lane_that_presents_its_token_first(pair, monkeypatch):
+    monkeypatch.setattr(control, "LANE_TOKEN_S", 0.3)
+    monkeypatch.setattr(control, "MAX_PENDING_LANES", 3)
+    refused = pair.receiver.num_refused
+    # A token nobody was given: refused, then closed.
+    wrong = _raw_lane(pair)
+    wrong.sendall(frame(encode(KVLane(token=b"\x00" * 16))))
+    reader = FrameReader(1 << 20)
+    wrong.settimeout(5)
+    reader.feed(wrong.recv(4096))
+    answer = decode(reader.next(), KVLaneReply)
+    assert not answer.ok and "unknown lane token" in answer.error
+    assert _closed(wrong)
+    # Garbage first, or a length past the limit: closed.
+    garbage = _raw_lane(pair)
+    garbage.sendall(frame(b"\xc1 not msgpack"))
+    assert _closed(garbage)
+    huge = _raw_lane(pair)
+    huge.sendall(struct.pack("<I", 0xFFFFFFFF) + b"x" * 64)
+    assert _closed(huge)
+    # Silent ones: closed after LANE_TOKEN_S, and never more than MAX_PENDING_LANES held.
+    silent = [_raw_lane(pair) for _ in range(5)]
+    _wait(lambda: sum(ln.peer is None for ln in pair.receiver._lanes.values()) <= 3)
+    assert all(_closed(s) for s in silent)
+    _wait(lambda: all(ln.peer is not None for ln in pair.receiver._lanes.values()))
+    assert pair.receiver.num_refused >= refused + 2
+    # The session's own lane never moved, and still carries its sends.
+    _send_ok(pair, "after", [1, 2], [3, 4])
+    assert pair.commits == ["after"]
+    for s in (wrong, garbage, huge, *silent):
+        s.close()
+
+
+@nixl_only
+def test_a_lane_and_its_control_connection_close_together(pair):
+    """The sender's lane going away drops its session on the receiver; the next send finds its lane
+    gone and fails, the one after sets up afresh (new lane). A handshake arriving on a lane (where
+    only the session's messages belong) closes it likewise."""
+    peer = pair.sender._peers[pair.address]
+    for attack in ("shutdown", "handshake on the lane"):
+        if attack == "shutdown":
+            peer.lane.sock.shutdown(socket.SHUT_RDWR)
+        else:
+            peer.lane.sock.sendall(frame(encode(KVHandshake(info=info("prefill", SMALL)))))
+        _wait(lambda: _conns(pair) == {})
+        pair.table.add(f"lost-{attack}", [5], time.time() + 30)
+        with pytest.raises(KVTransferError, match="lane"):
+            pair.send(f"lost-{attack}", [5], [5]).result()
+        _send_ok(pair, f"again-{attack}", [6], [6])
+        (conn,) = _conns(pair).values()
+        assert conn.lane is not None and peer.lane is not None
+    assert pair.commits == [f"again-{a}" for a in ("shutdown", "handshake on the lane")]
+
+
+@nixl_only
+def test_a_sender_that_cannot_reach_the_lane_port_keeps_the_session_on_the_control_connection(caplog):
+    pair = Pair(SMALL, src_blocks=16, dst_blocks=32)
+    try:
+        closed = socket.socket()
+        closed.bind(("127.0.0.1", 0))
+        pair.receiver._lane_port = closed.getsockname()[1]  # nobody listens there
+        closed.close()
+        with caplog.at_level(logging.WARNING, logger="pdserve.kv_transfer.control"):
+            pair.sender.handshake(pair.address, info("prefill", SMALL), 10)
+        assert "stays on its control connection" in caplog.text
+        assert pair.sender._peers[pair.address].lane is None
+        _send_ok(pair, "control", [1, 2, 3], [7, 8, 9])
+        (conn,) = _conns(pair).values()
+        assert conn.lane is None and pair.commits == ["control"]
+    finally:
+        pair.close()
