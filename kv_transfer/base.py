@@ -305,6 +305,7 @@ class KVSender(ABC):
         commit: KVCommit | None,
         timeout: float,
         layer_events: Sequence | None = None,
+        written: bool = False,
     ) -> KVSendFuture:
         """Deliver the blocks ``src_block_ids`` of the local cache into the peer's reserved
         ``dst_block_ids``. The caller keeps the source blocks unchanged until the returned future's
@@ -323,7 +324,10 @@ class KVSender(ABC):
         the send waits for them. ``layer_events`` (one CUDA event per layer, after which that
         layer of the blocks is written) lets a transport that moves blocks in place start on the
         first layers while the last ones are computed; without them it waits for everything
-        queued so far."""
+        queued so far. ``written``: the caller knows the kernels that wrote the blocks are done (it
+        read back a later result of their stream: a prompt's first token), so the send waits for
+        nothing; with async scheduling the stream may already hold the next step, which the send
+        would otherwise wait for."""
 
     @abstractmethod
     def close(self) -> None: ...
@@ -558,19 +562,36 @@ def scatter_from(buf: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor) -> None
         kv.index_copy_(1, idx, buf)
 
 
-def stage_blocks(kv: torch.Tensor, block_ids: Sequence[int]) -> Staged:
-    """Gather ``block_ids`` of every layer into a new tensor on the cache's device."""
+_side_streams: dict[int, torch.cuda.Stream] = {}
+
+
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    """A stream of the cache's device (one per device and process) for reading blocks known to be
+    written (``written``, or their events waited for on the host): such reads then never queue
+    behind what the engine's stream holds (the next step's forward)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = _side_streams.get(index)
+    if stream is None:
+        stream = _side_streams.setdefault(index, torch.cuda.Stream(device))
+    return stream
+
+
+def stage_blocks(kv: torch.Tensor, block_ids: Sequence[int], written: bool = False) -> Staged:
+    """Gather ``block_ids`` of every layer into a new tensor on the cache's device: behind the
+    work queued on the current stream (what wrote them), or, ``written``, on a side stream."""
     idx = block_index(block_ids, kv.device)
     if not kv.is_cuda:
         return Staged(select_blocks(kv, idx).contiguous(), list(block_ids))
-    out = kv.new_empty((kv.shape[0], len(idx), *kv.shape[2:]))
-    staged = Staged(out, list(block_ids))
-    bytes_per_layer = out[0].numel() * out.element_size()
-    for start, end in layer_chunks(kv.shape[0], bytes_per_layer, STAGE_CHUNK_BYTES):
-        gather_into(kv[start:end], idx, out[start:end])
-        event = torch.cuda.Event()
-        event.record()
-        staged.ready.append((end, event))
+    stream = side_stream(kv.device) if written else torch.cuda.current_stream(kv.device)
+    with torch.cuda.stream(stream):
+        out = kv.new_empty((kv.shape[0], len(idx), *kv.shape[2:]))
+        staged = Staged(out, list(block_ids))
+        bytes_per_layer = out[0].numel() * out.element_size()
+        for start, end in layer_chunks(kv.shape[0], bytes_per_layer, STAGE_CHUNK_BYTES):
+            gather_into(kv[start:end], idx, out[start:end])
+            event = torch.cuda.Event()
+            event.record()
+            staged.ready.append((end, event))
     return staged
 
 
@@ -593,11 +614,16 @@ def valid_block_ids(block_ids: Sequence[int], num_blocks: int) -> bool:
     )
 
 
-def in_place(kv: torch.Tensor, block_ids: Sequence[int], layer_events: Sequence | None = None) -> Staged:
+def in_place(
+    kv: torch.Tensor, block_ids: Sequence[int], layer_events: Sequence | None = None, written: bool = False
+) -> Staged:
     """The blocks left where they are, for a transport that reads them out of the registered cache;
     on CUDA with the events after which each layer is written (``layer_events``), or else one
-    after the work queued so far on the current stream (what wrote them)."""
+    after the work queued so far on the current stream (what wrote them); nothing to wait for when
+    they are ``written`` (``KVSender.send``)."""
     staged = Staged(None, list(block_ids))
+    if written:
+        return staged
     if kv.is_cuda and layer_events:
         assert len(layer_events) == kv.shape[0], f"{len(layer_events)} layer events for {kv.shape[0]} layers"
         staged.ready = [(i + 1, event) for i, event in enumerate(layer_events)]

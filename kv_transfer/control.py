@@ -954,6 +954,7 @@ class ControlSender(KVSender):
         commit: KVCommit | None,
         timeout: float,
         layer_events: Sequence | None = None,
+        written: bool = False,
     ) -> KVSendFuture:
         assert self.kv is not None, "register_kv_cache first"
         if len(src_block_ids) != len(dst_block_ids):
@@ -969,7 +970,7 @@ class ControlSender(KVSender):
                         self._routed.popitem(last=False)
         plane = self.planes.get(peer.transport)  # read once: the peer thread may change it
         if plane is not None:
-            staged = plane.stage(self.kv, src_block_ids, dst_block_ids, layer_events)
+            staged = plane.stage(self.kv, src_block_ids, dst_block_ids, layer_events, written)
         else:  # not agreed yet: on the CPU, the only copy
             staged = copy_to_cpu(self.kv, src_block_ids)
         self.bytes_sent += len(src_block_ids) * self._bytes_per_block

@@ -526,6 +526,7 @@ class NcclSenderPlane(SenderPlane):
         block_ids: Sequence[int],
         dst_block_ids: Sequence[int],
         layer_events: Sequence | None = None,
+        written: bool = False,
     ) -> Staged:
         """In place when the blocks form long runs in both caches (each layer chunk's sends then
         wait on the GPU for that chunk's layer event), else gathered on the cache's device once
@@ -533,8 +534,8 @@ class NcclSenderPlane(SenderPlane):
         regions = num_regions(block_ids, dst_block_ids, 0, kv.shape[0], self.layout)
         nbytes = kv.shape[0] * len(block_ids) * slab_bytes(kv)
         if direct_allowed(kv, self.options) and nbytes >= self.options.direct_min_run_bytes * regions:
-            return in_place(kv, block_ids, layer_events)  # kept unchanged until the send is over
-        return stage_blocks(kv, block_ids)
+            return in_place(kv, block_ids, layer_events, written)  # unchanged until the send is over
+        return stage_blocks(kv, block_ids, written)
 
     def connect(self, link: ControlLink, setup: KVSetup, reply: KVSetupReply, deadline: float) -> NcclSession:
         peer = link

@@ -740,10 +740,11 @@ class NixlSenderPlane(SenderPlane):
         block_ids: Sequence[int],
         dst_block_ids: Sequence[int],
         layer_events: Sequence | None = None,
+        written: bool = False,
     ) -> Staged:
         # The blocks stay in the registered cache: read in place, or packed into staging slots by
         # ``deliver`` as their layers are written.
-        return in_place(kv, block_ids, layer_events)
+        return in_place(kv, block_ids, layer_events, written)
 
     def connect(self, link: ControlLink, setup: KVSetup, reply: KVSetupReply, deadline: float) -> NixlSession:
         accept = reply.accept if isinstance(reply.accept, NixlAccept) else NixlAccept()

@@ -156,10 +156,11 @@ class SenderPlane(ABC):
         block_ids: Sequence[int],
         dst_block_ids: Sequence[int],
         layer_events: Sequence | None = None,
+        written: bool = False,
     ) -> Staged:
         """On the caller's thread: the blocks in the form ``deliver`` wants (a copy, or their ids
         to move in place); ``dst_block_ids`` are where they land in the peer's cache;
-        ``layer_events`` as in ``KVSender.send``."""
+        ``layer_events`` and ``written`` as in ``KVSender.send``."""
 
     @abstractmethod
     def connect(

@@ -55,6 +55,7 @@ from pdserve.kv_transfer.base import (
     layer_chunks,
     region_bytes,
     run_regions,
+    side_stream,
     slab_bytes,
     valid_block_ids,
 )
@@ -277,10 +278,11 @@ class ZmqSenderPlane(SenderPlane):
         block_ids: Sequence[int],
         dst_block_ids: Sequence[int],
         layer_events: Sequence | None = None,
+        written: bool = False,
     ) -> Staged:
         # Nothing moves on the caller's thread: ``deliver`` reads the blocks in place or gathers
         # them chunk by chunk as the chunks go out (on CUDA once their layers are written).
-        return in_place(kv, block_ids, layer_events)
+        return in_place(kv, block_ids, layer_events, written)
 
     def connect(self, link: ControlLink, setup: KVSetup, reply: KVSetupReply, deadline: float) -> ZmqSession:
         return ZmqSession(self, link)
@@ -343,7 +345,11 @@ class ZmqSession(SenderSession):
                 )
                 self.link.send([encode(header), *frames], deadline)
             return
-        with torch.cuda.device(kv.device) if kv.is_cuda else contextlib.nullcontext():
+        # On CUDA the gathers run on a side stream: each waits for its layers on the host first, and
+        # must not queue behind the engine's next step.
+        device = torch.cuda.device(kv.device) if kv.is_cuda else contextlib.nullcontext()
+        stream = torch.cuda.stream(side_stream(kv.device)) if kv.is_cuda else contextlib.nullcontext()
+        with device, stream:
             idx = block_index(src, kv.device)
             for l0, l1 in chunks:
                 staged.wait(l1)

@@ -392,6 +392,9 @@ class PrefillService(NodeService):
         shipment.stage = Stage.SENDING  # until _finish
         started = time.monotonic()
         try:
+            # The first token was read back, so the forward that wrote the prompt's last blocks is
+            # done (``written``): the send does not wait for the next step, which async scheduling
+            # has queued on the stream already.
             fut = self.sender.send(
                 landing.kv_address,
                 self.state.info,
@@ -400,6 +403,7 @@ class PrefillService(NodeService):
                 landing.block_ids[sent:],
                 shipment.commit,
                 self.state.node.kv_transfer_timeout_s,
+                written=True,
             )
         except Exception as e:
             fut = KVSendFuture.failed(e)

@@ -197,3 +197,27 @@ def test_vram_layer_events_gate_each_layer(gpu_pair):
     assert ack.ok
     got, _, _ = remote.call("blocks", "", [10, 11], 0)
     assert torch.equal(got, src[:, [4, 5]].cpu())
+
+
+def test_vram_blocks_already_written_do_not_wait_for_the_stream(gpu_pair):
+    """``written``: the caller read back a result of the kernels that wrote the blocks (a prompt's
+    first token), so the send waits for nothing, not for the next step async scheduling has already
+    queued on the stream (here a kernel of ~0.5 s); without it the send waits for that kernel."""
+    _, src, remote, sender = gpu_pair
+    p = info("prefill-0")
+    torch.cuda.synchronize()
+    for rid, written in (("written", True), ("queued", False)):
+        remote.call("reserve", rid, [12, 13], 30)
+        torch.cuda._sleep(1_000_000_000)  # the next step, queued behind the blocks' writes
+        start = time.monotonic()
+        ack = sender.send(remote.address, p, rid, [2, 3], [12, 13], KVCommit(rid, 1), 30, written=written)
+        assert ack.result().ok
+        seconds = time.monotonic() - start
+        kernel_done = torch.cuda.current_stream().query()
+        torch.cuda.synchronize()
+        if written:
+            assert not kernel_done and seconds < 0.2, seconds
+        else:
+            assert kernel_done
+        got, _, _ = remote.call("blocks", "", [12, 13], 0)
+        assert torch.equal(got, src[:, [2, 3]].cpu())

@@ -366,7 +366,11 @@ class _Sender:
     def __init__(self) -> None:
         self.sends: list[tuple[str, list[int], KVSendFuture]] = []
 
-    def send(self, address, info, request_id, src_block_ids, dst_block_ids, commit, timeout) -> KVSendFuture:
+    def send(
+        self, address, info, request_id, src_block_ids, dst_block_ids, commit, timeout, written=False
+    ) -> KVSendFuture:
+        # The last send follows the first token read back: its blocks are written.
+        assert written, "the last send of a prompt must say its blocks are written"
         fut = KVSendFuture()
         self.sends.append((request_id, list(src_block_ids), fut))
         return fut

@@ -24,7 +24,11 @@ class _Sender:
         self.handshakes: list[str] = []
         self.handshake_error: Exception | None = None
 
-    def send(self, address, info, request_id, src, dst, commit, timeout, layer_events=None) -> KVSendFuture:
+    def send(
+        self, address, info, request_id, src, dst, commit, timeout, layer_events=None, written=False
+    ) -> KVSendFuture:
+        # Chunks follow their forward's layer events; the last send, the first token read back.
+        assert written == (commit is not None), (commit, written)
         fut = KVSendFuture()
         self.sends.append((request_id, list(src), list(dst), commit, fut))
         if commit is None:
