@@ -139,14 +139,20 @@ class ReceiverLane:
 
 
 class SenderLane:
-    """The prefill node's end of a lane, used by the peer's thread alone: blocking writes bounded by
-    a deadline, reads polled with a timeout."""
+    """The prefill node's end of a lane, used by one thread at a time (the peer's, or the engine's
+    while that one holds the peer's turn): writes bounded by a deadline, or ``post``ed without
+    waiting (what the socket does not take at once goes out with the next write or read), reads
+    polled with a timeout."""
 
     def __init__(self, sock: socket.socket, max_bytes: int) -> None:
         self.sock = _tuned(sock)
+        self.sock.setblocking(False)
         self.reader = FrameReader(max_bytes)
-        self._poll = select.poll()
-        self._poll.register(sock.fileno(), select.POLLIN)
+        self._out = bytearray()
+        self._readable = select.poll()
+        self._readable.register(sock.fileno(), select.POLLIN)
+        self._writable = select.poll()
+        self._writable.register(sock.fileno(), select.POLLOUT)
 
     @classmethod
     def connect(cls, host: str, port: int, deadline: float, max_bytes: int) -> SenderLane:
@@ -160,17 +166,34 @@ class SenderLane:
         return cls(sock, max_bytes)
 
     def send(self, body: bytes | memoryview, deadline: float) -> None:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise KVTransferError("no time left to send on the lane")
-        self.sock.settimeout(left)
-        try:
-            self.sock.sendall(frame(body))
-        except TimeoutError:
-            # Part of a frame may have gone: the stream is no longer whole, so the lane is done.
-            raise KVTransferError("the KV peer did not take a lane message in time") from None
-        except OSError as e:
-            raise LaneClosed(f"lane broken: {e}") from None
+        """Write one message; raises KVTransferError if the peer does not take it by ``deadline``
+        (part of it may have gone: the lane is done for then)."""
+        self._out += frame(body)
+        if not self.flush(deadline):
+            raise KVTransferError("the KV peer did not take a lane message in time")
+
+    def post(self, body: bytes | memoryview) -> None:
+        """Write one message without waiting: the caller's thread must never block on the peer."""
+        self._out += frame(body)
+        self.flush(0.0)
+
+    def flush(self, until: float) -> bool:
+        """Write what waits to go out, until ``time.monotonic()`` ``until``; True once all went."""
+        while self._out:
+            try:
+                sent = self.sock.send(self._out)
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            except OSError as e:
+                raise LaneClosed(f"lane broken: {e}") from None
+            del self._out[:sent]
+            if not self._out:
+                break
+            left = until - time.monotonic()
+            if left <= 0:
+                return False
+            self._writable.poll(max(int(left * 1000 + 0.999), 1))
+        return True
 
     def recv(self, wait_s: float) -> bytes | None:
         """The next frame, waiting up to ``wait_s`` for it (None when none came)."""
@@ -178,9 +201,10 @@ class SenderLane:
         if body is not None:
             return body
         end = time.monotonic() + wait_s
+        if self._out and not self.flush(end):
+            return None
         while True:
-            if self._poll.poll(max(int((end - time.monotonic()) * 1000 + 0.999), 0)):
-                self.sock.settimeout(0)
+            if self._readable.poll(max(int((end - time.monotonic()) * 1000 + 0.999), 0)):
                 try:
                     data = self.sock.recv(READ_BYTES)
                 except (BlockingIOError, InterruptedError):

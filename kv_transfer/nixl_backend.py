@@ -828,29 +828,41 @@ class NixlSession(SenderSession):
         (``packs``), the last KVReady with ``commit``, and return: the decode node commits behind its
         own READs. The returned function waits until the peer reported every READ over
         (``KVReadDone``; raises KVRefused if one was refused); after the ack it returns at once."""
-        plane, kv = self.plane, self.plane.kv
-        src, dst, num_layers = staged.block_ids, list(dst_block_ids), kv.shape[0]
+        src, dst, num_layers = staged.block_ids, list(dst_block_ids), self.plane.kv.shape[0]
         self._error = ""
-        slab = plane.slab_bytes
-        # Per-layer events: chunks follow the layers as they finish; not on one GPU, nor out of a
-        # block-major cache (the docstring).
-        layer_wise = len(staged.ready) > 1 and not self.same_gpu and not plane.layout.block_major
-        if kv.is_cuda or plane.options.pack_on_cpu:  # packing is considered (``packs``)
-            chunk_bytes = plane.options.layer_chunk_bytes if layer_wise else 0
-            pieces = stage_pieces(num_layers, len(dst), slab, plane.pool.slot_bytes, chunk_bytes)
-            if packs(kv, src, dst, len(pieces), plane.options, plane.layout):
-                self._deliver_packed(request_id, staged, dst, pieces, deadline, commit)
-                return self._finish
-        if layer_wise:
-            chunks = layer_chunks(num_layers, len(src) * slab, plane.options.layer_chunk_bytes)
-        else:
-            chunks = [(0, num_layers)]
+        pieces, chunks = self._plan(staged, dst)
+        if pieces:
+            self._deliver_packed(request_id, staged, dst, pieces, deadline, commit)
+            return self._finish
         for l0, l1 in chunks:
             staged.wait(l1)
             self._offer(
                 request_id, -1, src, dst, l0, l1, deadline, commit=commit if l1 == num_layers else None
             )
         return self._finish
+
+    def _plan(self, staged: Staged, dst: list[int]) -> tuple[list, list[tuple[int, int]]]:
+        """How ``deliver`` sends: the pieces of a packed send (``packs``), else no pieces and the
+        layer chunks READ in place (per-layer events: chunks follow the layers as they finish; not
+        on one GPU, nor out of a block-major cache: the docstring)."""
+        plane, kv = self.plane, self.plane.kv
+        num_layers, slab = kv.shape[0], plane.slab_bytes
+        layer_wise = len(staged.ready) > 1 and not self.same_gpu and not plane.layout.block_major
+        if kv.is_cuda or plane.options.pack_on_cpu:  # packing is considered (``packs``)
+            chunk_bytes = plane.options.layer_chunk_bytes if layer_wise else 0
+            pieces = stage_pieces(num_layers, len(dst), slab, plane.pool.slot_bytes, chunk_bytes)
+            if packs(kv, staged.block_ids, dst, len(pieces), plane.options, plane.layout):
+                return pieces, []
+        if layer_wise:
+            return [], layer_chunks(num_layers, len(dst) * slab, plane.options.layer_chunk_bytes)
+        return [], [(0, num_layers)]
+
+    def quick(self, staged: Staged, dst_block_ids: list[int]) -> bool:
+        """Read in place in one READ whose blocks are written already: one message, no wait."""
+        if self._pending or not staged.done():
+            return False
+        pieces, chunks = self._plan(staged, list(dst_block_ids))
+        return not pieces and len(chunks) == 1
 
     def _offer(
         self,

@@ -206,6 +206,12 @@ class SenderSession(ABC):
         sender gives up instead, closing the session stops the data, or says until when it may
         still move (``close``)."""
 
+    def quick(self, staged: Staged, dst_block_ids: list[int]) -> bool:
+        """Whether ``deliver`` would send its messages at once and wait for nothing (no kernel, no
+        staging slot): the sender may then call it on the caller's thread (``post``ing on the
+        lane) while the peer's thread is idle. Never blocks."""
+        return False
+
     def acked(self) -> None:
         """The peer answered the commit of the send just delivered (either way); a plane whose
         peer takes the commit only after all of the request's data (nixl) knows from this that

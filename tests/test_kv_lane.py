@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import socket
 import struct
+import threading
 import time
 
 import pytest
@@ -15,7 +16,7 @@ import torch
 
 from pdserve import kv_transfer
 from pdserve.kv_transfer import KVTransferError, control
-from pdserve.kv_transfer.lane import FrameReader, LaneClosed, frame
+from pdserve.kv_transfer.lane import FrameReader, LaneClosed, SenderLane, frame
 from pdserve.kv_transfer.messages import KVHandshake, KVLane, KVLaneReply
 from pdserve.messages import decode, encode
 from tests.test_kv_transfer_nixl import SMALL, Pair, info
@@ -175,5 +176,43 @@ def test_a_sender_that_cannot_reach_the_lane_port_keeps_the_session_on_the_contr
         _send_ok(pair, "control", [1, 2, 3], [7, 8, 9])
         (conn,) = _conns(pair).values()
         assert conn.lane is None and pair.commits == ["control"]
+    finally:
+        pair.close()
+
+
+@nixl_only
+@pytest.mark.parametrize("packed", [False, True], ids=["in place", "packed"])
+def test_a_last_send_of_written_blocks_goes_out_on_the_callers_thread(packed, monkeypatch):
+    """The commit's send, one READ of blocks already written, is put on the lane by the thread
+    that calls ``send`` (``SenderLane.post``, which never waits) while the peer's thread is idle;
+    chunks without the commit, and packed sends (gathers, staging slots), go through the peer's
+    thread. Either way the blocks land and the commit is acked."""
+    options = (kv_transfer.NixlOptions(pack_on_cpu=True, descriptors_per_piece=0),) if packed else ()
+    pair = Pair(SMALL, src_blocks=16, dst_blocks=32, options=options)
+    try:
+        pair.sender.handshake(pair.address, info("prefill", SMALL), 10)
+        by = []
+        post, send = SenderLane.post, SenderLane.send
+        monkeypatch.setattr(SenderLane, "post", lambda self, body: (by.append("caller"), post(self, body))[1])
+        monkeypatch.setattr(SenderLane, "send", lambda self, *a: (by.append("peer"), send(self, *a))[1])
+        me = threading.get_ident()
+        posted_on = []
+        send_now = control._Peer._send_now
+
+        def recording_send_now(self, job):
+            posted_on.append(threading.get_ident())
+            send_now(self, job)
+
+        monkeypatch.setattr(control._Peer, "_send_now", recording_send_now)
+        _send_ok(pair, "now", [1, 2], [3, 4])
+        pair.table.add("parts", [5, 6, 7], time.time() + 30)
+        assert pair.send("parts", [8], [5], commit=False).result() is None
+        assert pair.send("parts", [9, 10], [6, 7]).result().ok
+        assert torch.equal(pair.dst[:, [5, 6, 7]], pair.src[:, [8, 9, 10]])
+        if packed:
+            assert "caller" not in by and pair.commits == ["now", "parts"]
+        else:
+            assert by == ["caller", "peer", "caller"] and set(posted_on) == {me}
+            assert pair.commits == ["now", "parts"]
     finally:
         pair.close()

@@ -410,9 +410,7 @@ def _raw_round_trip_us(remote, count: int, gap_s: float = 0.0) -> dict:
 # -- where a one-block send's time goes (--breakdown) -------------------------------------------------
 
 BREAKDOWN = (
-    ("send", "queued", "engine thread: KVSender.send (stage the blocks, queue the job)"),
-    ("queued", "picked", "hand-off to the peer's thread"),
-    ("picked", "data_out", "peer thread: the data message (with the commit) on the wire"),
+    ("send", "data_out", "sender: KVSender.send to the data message (with the commit) going out"),
     ("data_out", "data_in", "wire: data message to the receiver's control thread"),
     ("data_in", "landed", "receiver: READ set up and ended / frames copied in"),
     ("landed", "ack_out", "receiver: commit (lease table, on_commit) and the ack out"),
@@ -455,8 +453,9 @@ class _Probe:
             self._wrap(control._Outbox, "put", "ack_out", acked)
         else:
             self._wrap(control.ControlSender, "send", "send", lambda a, r: a[2])
-            self._wrap(control.ControlSender, "send", "queued", lambda a, r: a[2], at_exit=True)
             self._wrap(control._Peer, "_do", "picked", self._job)
+            # A send the engine's thread puts on the lane itself (``_Peer.submit``) goes out there.
+            self._wrap(control._Peer, "_send_now", "direct", self._job)
             # The first message a job puts on the connection, as it starts (the thread may well be
             # preempted by the process it wakes before the call returns).
             self._wrap(control._Peer, "send", "data_out", lambda a, r: self.current, first=True)
