@@ -259,13 +259,17 @@ def _best(times: list[float]) -> float:
 
 
 def _time_send(remote, sender, address, shape, n: int, rid: str, src_ids=None) -> float:
-    """One pdserve send of ``n`` blocks into reserved blocks 0..n-1, from ``KVSender.send`` to the ack."""
+    """One pdserve send of ``n`` blocks into reserved blocks 0..n-1, from ``KVSender.send`` to the ack.
+    The blocks were written long before (``written``, as a prompt's last send after its first
+    token was read back)."""
     from pdserve.kv_transfer.messages import KVCommit
 
     src_ids = range(n) if src_ids is None else src_ids
     remote.call("reserve", (rid, n))
     start = time.perf_counter()
-    ack = sender.send(address, _info("bench-prefill", shape), rid, src_ids, range(n), KVCommit(rid, 0), 120)
+    ack = sender.send(
+        address, _info("bench-prefill", shape), rid, src_ids, range(n), KVCommit(rid, 0), 120, written=True
+    )
     ack = ack.result()
     seconds = time.perf_counter() - start
     assert ack.ok, ack.error
@@ -337,7 +341,7 @@ def _fixed_cost_us(remote, sender, address, shape, count: int, tag: str, gap_s: 
         if gap_s:
             time.sleep(gap_s)
         start = time.perf_counter()
-        ack = sender.send(address, info, rid, [0], [0], KVCommit(rid, 0), 30).result()
+        ack = sender.send(address, info, rid, [0], [0], KVCommit(rid, 0), 30, written=True).result()
         times.append(time.perf_counter() - start)
         assert ack.ok, ack.error
     remote.call("release_many", rids)
@@ -522,7 +526,9 @@ def _breakdown_us(remote, sender, address, shape, count: int, tag: str, src_ids=
     probe = _Probe("sender")
     try:
         for rid in rids:
-            ack = sender.send(address, info, rid, list(src_ids), dst_ids, KVCommit(rid, 0), 30).result()
+            ack = sender.send(
+                address, info, rid, list(src_ids), dst_ids, KVCommit(rid, 0), 30, written=True
+            ).result()
             probe.stamps[rid]["done"] = time.perf_counter()
             assert ack.ok, ack.error
     finally:
