@@ -205,6 +205,8 @@ def test_vram_blocks_already_written_do_not_wait_for_the_stream(gpu_pair):
     queued on the stream (here a kernel of ~0.5 s); without it the send waits for that kernel."""
     _, src, remote, sender = gpu_pair
     p = info("prefill-0")
+    remote.call("reserve", "warm", [14], 30)  # the connection and its set-up, before the timed sends
+    assert sender.send(remote.address, p, "warm", [1], [14], KVCommit("warm", 1), 30).result().ok
     torch.cuda.synchronize()
     for rid, written in (("written", True), ("queued", False)):
         remote.call("reserve", rid, [12, 13], 30)
