@@ -36,6 +36,7 @@ import json
 import multiprocessing as mp
 import os
 import platform
+import random
 import socket
 import sys
 import tempfile
@@ -727,9 +728,16 @@ def run(args: argparse.Namespace) -> dict:
                 _raw_tcp, remote, tcp, memoryview(flat[:nbytes].numpy()), nbytes
             )
         times: dict[str, list[float]] = {key: [] for key in runs}
-        for _ in range(repeats + 1):
-            for key, run_once in runs.items():
-                times[key].append(run_once())
+        # The first round (the warm-up, left out) in the order above; each later one in an order of
+        # its own (seeded): a run that always came first in its round found the threads it wakes
+        # asleep behind the anchors' work every time, and its best run was never a warm one.
+        order = random.Random(size)
+        for round_ in range(repeats + 1):
+            keys = list(runs)
+            if round_:
+                order.shuffle(keys)
+            for key in keys:
+                times[key].append(runs[key]())
         if "raw_nixl_read" in op_times:  # the READ alone, without the request to the receiver and its answer
             times["raw_nixl_read_op"] = op_times["raw_nixl_read"]
         for key, taken in times.items():
@@ -857,7 +865,8 @@ def run(args: argparse.Namespace) -> dict:
         "raw_tcp: one persistent socket, sendall out of the source cache into recv_into a preallocated "
         "buffer, then a one-byte reply. Each size runs once to warm up, then `repeats` times: GB/s = "
         "bytes / the fastest run (pdserve's and every anchor's alike; *_median_gb_s: the median run), "
-        "ratio_* of those; every way runs once a round, the rounds in a row. "
+        "ratio_* of those; every way runs once a round, the rounds in a row, each round after the "
+        "first in an order of its own (shuffled, seeded by the size). "
         "one_block_send_us: the fixed cost of a send, one block from KVSender.send to "
         "the ack, p50 and p90 of one_block_count sends in a row; raw_round_trip_us, its anchor: the same "
         "thread hops with nothing else (the caller hands a message to a thread, which sends it on a "
