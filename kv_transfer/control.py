@@ -224,6 +224,7 @@ class ControlReceiver(KVReceiver):
         self._tokens: dict[bytes, bytes] = {}  # lane token handed out -> routing id it binds to
         self._poller: zmq.Poller | None = None
         self._lane_port = 0
+        self._lane_sweep_at = 0.0
         self._warn = WarnLimiter()
         self.num_refused = 0  # messages refused (tests and logs)
 
@@ -386,15 +387,9 @@ class ControlReceiver(KVReceiver):
                 self._close_lane(min(pending, key=lambda ln: ln.opened), "too many lanes without a token")
 
     def _serve_lanes(self, events: dict, info: NodeInfo, table: ReservationTable, on_commit) -> None:
-        now = time.monotonic()
-        for lane in list(self._lanes.values()):
-            if lane.fd not in self._lanes:  # closed while serving another
-                continue
-            if lane.peer is None and now - lane.opened > LANE_TOKEN_S:
-                self._close_lane(lane, "no token in time")
-                continue
-            flags = events.get(lane.fd, 0)
-            if not flags:
+        for fd, flags in events.items():
+            lane = self._lanes.get(fd) if isinstance(fd, int) else None
+            if lane is None:  # a ZeroMQ socket, the listener, or a lane closed while serving another
                 continue
             try:
                 if flags & zmq.POLLOUT:
@@ -408,6 +403,12 @@ class ControlReceiver(KVReceiver):
                             break
             except LaneClosed as e:
                 self._close_lane(lane, str(e))
+        now = time.monotonic()
+        if now >= self._lane_sweep_at:  # lanes that never presented a token
+            self._lane_sweep_at = now + LANE_TOKEN_S / 10
+            stale = [ln for ln in self._lanes.values() if ln.peer is None and now - ln.opened > LANE_TOKEN_S]
+            for lane in stale:
+                self._close_lane(lane, "no token in time")
 
     def _lane_message(self, lane: ReceiverLane, body: bytes, info, table, on_commit) -> None:
         if lane.peer is None:  # the first message: the token of the set-up it belongs to
