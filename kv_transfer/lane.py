@@ -77,6 +77,17 @@ class FrameReader:
         return bytes(buf[pos + LENGTH.size : end])
 
 
+def _write_some(sock: socket.socket, out: bytearray) -> None:
+    """Write what the non-blocking ``sock`` takes of ``out`` now, and drop that from ``out``."""
+    try:
+        sent = sock.send(out)
+    except (BlockingIOError, InterruptedError):
+        sent = 0
+    except OSError as e:
+        raise LaneClosed(f"lane broken: {e}") from None
+    del out[:sent]
+
+
 def _tuned(sock: socket.socket) -> socket.socket:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     return sock
@@ -124,13 +135,7 @@ class ReceiverLane:
         """Write what the socket takes now; raises LaneClosed if it broke or ``out`` grew too long."""
         if not self.out:
             return
-        try:
-            sent = self.sock.send(self.out)
-        except (BlockingIOError, InterruptedError):
-            sent = 0
-        except OSError as e:
-            raise LaneClosed(f"lane broken: {e}") from None
-        del self.out[:sent]
+        _write_some(self.sock, self.out)
         if len(self.out) > self.max_out:
             raise LaneClosed(f"the sender left {len(self.out)} bytes of replies unread")
 
@@ -180,13 +185,7 @@ class SenderLane:
     def flush(self, until: float) -> bool:
         """Write what waits to go out, until ``time.monotonic()`` ``until``; True once all went."""
         while self._out:
-            try:
-                sent = self.sock.send(self._out)
-            except (BlockingIOError, InterruptedError):
-                sent = 0
-            except OSError as e:
-                raise LaneClosed(f"lane broken: {e}") from None
-            del self._out[:sent]
+            _write_some(self.sock, self._out)
             if not self._out:
                 break
             left = until - time.monotonic()

@@ -45,6 +45,9 @@ RESULTS: list[ScenarioResult] = []
 """Rows recorded by this run's scenarios, in order."""
 REPORT_PATH: Path | None = None
 """Where ``record`` writes the JSON report ($PDSERVE_FAULT_REPORT, else set by the tests)."""
+KV_TRANSPORT_ENV = "PDSERVE_FAULT_KV_TRANSPORT"
+"""The nodes' ``--kv-transport`` (unset: their default, zmq on a CPU host; ``nixl`` runs every
+scenario through nixl over DRAM and its lane)."""
 
 WORDS = [
     *("river", "mountain", "engine", "harbor", "garden", "lantern", "signal", "copper", "orbit"),
@@ -887,6 +890,7 @@ def fault_cluster(log_dir: str):
         # the OOM killer.
         extra_node_flags=(
             "--heartbeat-ttl-s 2 --kv-transfer-timeout-s 10 --kv-cache-memory-gib 0.25 --max-model-len 1024"
+            + (f" --kv-transport {os.environ[KV_TRANSPORT_ENV]}" if os.environ.get(KV_TRANSPORT_ENV) else "")
         ),
         extra_proxy_flags=(
             f"--lease-s {LEASE_S:g} --request-timeout-s {DEADLINE_S:g} --load-poll-interval-s 0.5 "
