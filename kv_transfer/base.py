@@ -583,11 +583,12 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
 def stage_blocks(kv: torch.Tensor, block_ids: Sequence[int], written: bool = False) -> Staged:
     """Gather ``block_ids`` of every layer into a new tensor on the cache's device: behind the
     work queued on the current stream (what wrote them), or, ``written``, on a side stream."""
-    idx = block_index(block_ids, kv.device)
     if not kv.is_cuda:
-        return Staged(select_blocks(kv, idx).contiguous(), list(block_ids))
+        return Staged(select_blocks(kv, block_index(block_ids, kv.device)).contiguous(), list(block_ids))
     stream = side_stream(kv.device) if written else torch.cuda.current_stream(kv.device)
     with torch.cuda.stream(stream):
+        # The ids' copy to the device too: on the engine's stream it would wait for what that holds.
+        idx = block_index(block_ids, kv.device)
         out = kv.new_empty((kv.shape[0], len(idx), *kv.shape[2:]))
         staged = Staged(out, list(block_ids))
         bytes_per_layer = out[0].numel() * out.element_size()

@@ -671,13 +671,14 @@ class NixlReceiverPlane(ReceiverPlane):
         the copy, or True once done on the CPU."""
         msg, kv = read.msg, self.kv
         buf = self.pool.view(read.slot, kv, msg.layer_end - msg.layer_start, len(msg.dst_block_ids))
-        idx = block_index(msg.dst_block_ids, kv.device)
         layers = kv[msg.layer_start : msg.layer_end]
         if self.stream is None:
-            scatter_from(buf, layers, idx)
+            scatter_from(buf, layers, block_index(msg.dst_block_ids, kv.device))
             return True
         with torch.cuda.stream(self.stream):
-            scatter_from(buf, layers, idx)
+            # The ids' copy to the device on this stream too: on the default one it would wait for
+            # the decode engine's step.
+            scatter_from(buf, layers, block_index(msg.dst_block_ids, kv.device))
             event = torch.cuda.Event()
             event.record()
         return event
