@@ -731,13 +731,15 @@ def run(args: argparse.Namespace) -> dict:
         # The first round (the warm-up, left out) in the order above; each later one in an order of
         # its own (seeded): a run that always came first in its round found the threads it wakes
         # asleep behind the anchors' work every time, and its best run was never a warm one.
+        # ``--burst``: each way's turn in a timed round is that many runs in a row, every one timed.
         order = random.Random(size)
         for round_ in range(repeats + 1):
             keys = list(runs)
             if round_:
                 order.shuffle(keys)
             for key in keys:
-                times[key].append(runs[key]())
+                for _ in range(args.burst if round_ else 1):
+                    times[key].append(runs[key]())
         if "raw_nixl_read" in op_times:  # the READ alone, without the request to the receiver and its answer
             times["raw_nixl_read_op"] = op_times["raw_nixl_read"]
         for key, taken in times.items():
@@ -866,7 +868,8 @@ def run(args: argparse.Namespace) -> dict:
         "buffer, then a one-byte reply. Each size runs once to warm up, then `repeats` times: GB/s = "
         "bytes / the fastest run (pdserve's and every anchor's alike; *_median_gb_s: the median run), "
         "ratio_* of those; every way runs once a round, the rounds in a row, each round after the "
-        "first in an order of its own (shuffled, seeded by the size). "
+        "first in an order of its own (shuffled, seeded by the size); with burst > 1 each way's turn "
+        "is that many runs in a row, each timed (all of them count for best and median). "
         "one_block_send_us: the fixed cost of a send, one block from KVSender.send to "
         "the ack, p50 and p90 of one_block_count sends in a row; raw_round_trip_us, its anchor: the same "
         "thread hops with nothing else (the caller hands a message to a thread, which sends it on a "
@@ -880,6 +883,7 @@ def run(args: argparse.Namespace) -> dict:
         "results[].breakdown_us (--breakdown): the same for size_breakdown_count sends of each size, "
         "in order and shuffled, by the transport's own choice of way.",
         "repeats": repeats,
+        "burst": args.burst,
         "one_block_count": args.one_block_count,
         "one_block_send_us": fixed,
         "raw_round_trip_us": raw_round_trip,
@@ -913,7 +917,14 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--shape", choices=sorted(SHAPES), default="", help="KV shape (default by device)")
     p.add_argument(
-        "--repeats", type=int, default=5, help="timed runs per size (after one warm-up); best taken"
+        "--repeats", type=int, default=5, help="timed rounds per size (after a warm-up round); best run taken"
+    )
+    p.add_argument(
+        "--burst",
+        type=int,
+        default=1,
+        help="runs of each way in a row at its turn of a round (1: each follows the other ways' work, "
+        "the threads it wakes asleep; 3: the later ones find them awake, as under load)",
     )
     p.add_argument(
         "--one-block-count", type=int, default=200, help="one-block sends timed for the fixed cost (p50, p90)"
