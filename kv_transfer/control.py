@@ -225,6 +225,7 @@ class ControlReceiver(KVReceiver):
         self._poller: zmq.Poller | None = None
         self._lane_port = 0
         self._lane_sweep_at = 0.0
+        self._broken_lanes: list[tuple[ReceiverLane, str]] = []  # write failed: closed next turn
         self._warn = WarnLimiter()
         self.num_refused = 0  # messages refused (tests and logs)
 
@@ -309,6 +310,10 @@ class ControlReceiver(KVReceiver):
             sock.close(linger=0)
 
     def _serve_once(self, poller, sock, pull, listener, monitor, info, table, on_commit) -> None:
+        while self._broken_lanes:
+            lane, why = self._broken_lanes.pop()
+            if lane.fd in self._lanes and self._lanes[lane.fd] is lane:
+                self._close_lane(lane, why)
         busy = False
         for plane in self.planes.values():
             busy |= plane.poll()
@@ -362,7 +367,9 @@ class ControlReceiver(KVReceiver):
         try:
             lane.write(body)
         except LaneClosed as e:
-            self._close_lane(lane, str(e))
+            # Closed at the next turn, not here: this may run inside a plane's own call (a reply it
+            # puts in the outbox), which closing the lane would reenter (``plane.drop``).
+            self._broken_lanes.append((lane, str(e)))
             return
         if lane.out:  # the rest goes once the socket takes it
             self._poller.modify(lane.fd, zmq.POLLIN | zmq.POLLOUT)
@@ -426,7 +433,8 @@ class ControlReceiver(KVReceiver):
             conn.lane_token = b""
             if conn.lane is not None:  # a lane already: the new one replaces it
                 self._close_lane(conn.lane, "replaced", forget=False)
-            conn.lane, lane.peer = lane, peer
+            conn.lane = lane
+            lane.bind(peer)
             self._send_to(peer, encode(KVLaneReply(ok=True)))
             return
         conn = self._conns.get(lane.peer)
@@ -704,7 +712,9 @@ class _Peer(ControlLink):
         quick = job.commit is not None and bool(job.dst_block_ids) and self.lane is not None
         if quick and self._turn.acquire(blocking=False):
             try:
-                if self.jobs.empty():  # nothing queued ahead of it
+                # No job queued, nor taken and not done (the peer's thread marks each done while it
+                # holds the turn): nothing of the connection goes out ahead of this one's order.
+                if self.jobs.unfinished_tasks == 0:
                     self._send_now(job)
             finally:
                 self._turn.release()
@@ -737,10 +747,13 @@ class _Peer(ControlLink):
         while True:
             job = self.jobs.get()
             with self._turn:
-                if job is None:
-                    self._close_socket()
-                    return
-                self._run_job(job)
+                try:
+                    if job is None:
+                        self._close_socket()
+                        return
+                    self._run_job(job)
+                finally:
+                    self.jobs.task_done()
 
     def _run_job(self, job: _Job) -> None:
         try:

@@ -38,6 +38,9 @@ LENGTH = struct.Struct("<I")
 READ_BYTES = 1 << 18
 """What one ``recv`` takes off a lane at most."""
 TOKEN_BYTES = 16
+FIRST_FRAME_BYTES = 256
+"""The longest first frame (``KVLane``) a receiver takes: a lane that has not presented its token
+makes the node hold no more than this."""
 
 
 class LaneClosed(KVTransferError):
@@ -102,11 +105,17 @@ class ReceiverLane:
         self.sock = _tuned(sock)
         self.sock.setblocking(False)
         self.fd = sock.fileno()
-        self.reader = FrameReader(max_bytes)
+        self.reader = FrameReader(FIRST_FRAME_BYTES)  # ``max_bytes`` once bound (``bind``)
+        self.max_bytes = max_bytes
         self.max_out = max(max_bytes, 1 << 20)
         self.out = bytearray()
         self.peer: bytes | None = None  # the control connection it belongs to, once its token matched
         self.opened = time.monotonic()
+
+    def bind(self, peer: bytes) -> None:
+        """Its token matched the set-up of ``peer``'s connection: frames up to ``max_bytes`` now."""
+        self.peer = peer
+        self.reader.max_bytes = self.max_bytes
 
     def read(self) -> list[bytes]:
         """The whole frames that arrived; raises LaneClosed once the sender closed or broke it."""

@@ -127,6 +127,9 @@ def test_the_lane_port_takes_only_a_lane_that_presents_its_token_first(pair, mon
     huge = _raw_lane(pair)
     huge.sendall(struct.pack("<I", 0xFFFFFFFF) + b"x" * 64)
     assert _closed(huge)
+    long_first = _raw_lane(pair)  # before its token a lane may not make the node hold more
+    long_first.sendall(struct.pack("<I", 4096) + b"x" * 64)
+    assert _closed(long_first)
     # Silent ones: closed after LANE_TOKEN_S, and never more than MAX_PENDING_LANES held.
     silent = [_raw_lane(pair) for _ in range(5)]
     _wait(lambda: sum(ln.peer is None for ln in pair.receiver._lanes.values()) <= 3)
@@ -136,7 +139,7 @@ def test_the_lane_port_takes_only_a_lane_that_presents_its_token_first(pair, mon
     # The session's own lane never moved, and still carries its sends.
     _send_ok(pair, "after", [1, 2], [3, 4])
     assert pair.commits == ["after"]
-    for s in (wrong, garbage, huge, *silent):
+    for s in (wrong, garbage, huge, long_first, *silent):
         s.close()
 
 
@@ -216,3 +219,61 @@ def test_a_last_send_of_written_blocks_goes_out_on_the_callers_thread(packed, mo
             assert pair.commits == ["now", "parts"]
     finally:
         pair.close()
+
+
+@nixl_only
+def test_a_last_part_never_overtakes_a_job_the_peer_thread_took_and_has_not_done(pair, monkeypatch):
+    """The peer's thread has taken a chunk of the request off its queue but not yet started it: the
+    request's last part, sent meanwhile, goes behind it through that thread, not out at once on the
+    caller's thread (which would put the commit on the lane ahead of the chunk's READ)."""
+    peer = pair.sender._peers[pair.address]
+    took, go = threading.Event(), threading.Event()
+    get = peer.jobs.get
+
+    def slow_get(*args, **kwargs):
+        job = get(*args, **kwargs)
+        if job is not None and job.request_id == "order" and job.commit is None:
+            took.set()
+            go.wait(10)  # taken, its turn not yet begun
+        return job
+
+    peer.jobs.get = slow_get
+    pair.sender.renew(pair.address, info("prefill", SMALL), ["nobody"])  # the thread now waits in slow_get
+    by = []
+    post = SenderLane.post
+    monkeypatch.setattr(SenderLane, "post", lambda self, body: (by.append("caller"), post(self, body))[1])
+    pair.table.add("order", [5, 6, 7], time.time() + 30)
+    chunk = pair.send("order", [8], [5], commit=False)
+    assert took.wait(10)
+    last = pair.send("order", [9, 10], [6, 7])
+    go.set()
+    assert chunk.result() is None and last.result().ok
+    assert by == [] and pair.commits == ["order"]
+    assert torch.equal(pair.dst[:, [5, 6, 7]], pair.src[:, [8, 9, 10]])
+
+
+@nixl_only
+def test_a_reply_that_cannot_be_written_closes_the_lane_at_the_next_turn(pair, monkeypatch):
+    """The ack's write fails (the lane broke under it) inside the plane's own call: the lane and its
+    connection close at the control thread's next turn, not inside the plane; that send fails, and
+    the next one sets up afresh."""
+    from pdserve.kv_transfer.lane import ReceiverLane
+    from pdserve.kv_transfer.messages import KVAck
+
+    write = ReceiverLane.write
+    broke = []
+
+    def breaking_write(self, body):
+        if not broke and isinstance(decode(body, KVAck | KVLaneReply), KVAck):
+            broke.append(1)
+            raise LaneClosed("broken under the ack")
+        write(self, body)
+
+    monkeypatch.setattr(ReceiverLane, "write", breaking_write)
+    pair.table.add("lost-ack", [5], time.time() + 30)
+    with pytest.raises(KVTransferError, match="lane"):
+        pair.send("lost-ack", [5], [5], timeout=10).result()
+    assert broke
+    _wait(lambda: _conns(pair) == {} or all(c.lane is not None for c in _conns(pair).values()))
+    _send_ok(pair, "after", [6], [6])
+    assert "after" in pair.commits
