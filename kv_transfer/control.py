@@ -79,7 +79,7 @@ from pdserve.kv_transfer.base import (
     check_compatible,
     copy_to_cpu,
 )
-from pdserve.kv_transfer.lane import TOKEN_BYTES, LaneClosed, ReceiverLane, SenderLane
+from pdserve.kv_transfer.lane import TOKEN_BYTES, LaneClosed, ReceiverLane, SenderLane, open_local_listener
 from pdserve.kv_transfer.messages import (
     REPLIES,
     REQUESTS,
@@ -224,6 +224,7 @@ class ControlReceiver(KVReceiver):
         self._tokens: dict[bytes, bytes] = {}  # lane token handed out -> routing id it binds to
         self._poller: zmq.Poller | None = None
         self._lane_port = 0
+        self._lane_path = ""  # the abstract Unix socket name lanes from this host take ("" off Linux)
         self._lane_sweep_at = 0.0
         self._broken_lanes: list[tuple[ReceiverLane, str]] = []  # write failed: closed next turn
         self._warn = WarnLimiter()
@@ -251,9 +252,14 @@ class ControlReceiver(KVReceiver):
             port = sock.bind_to_random_port(f"tcp://{self.host}")
         address = f"tcp://{self.host}:{port}"
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
-        listener = socket.create_server((self.host, 0), family=family, backlog=MAX_PENDING_LANES)
-        listener.setblocking(False)
-        self._lane_port = listener.getsockname()[1]
+        listeners = [socket.create_server((self.host, 0), family=family, backlog=MAX_PENDING_LANES)]
+        self._lane_port = listeners[0].getsockname()[1]
+        local = open_local_listener(MAX_PENDING_LANES)
+        if local is not None:
+            listeners.append(local)
+            self._lane_path = local.getsockname().decode()[1:]  # its abstract name, without the NUL
+        for listener in listeners:
+            listener.setblocking(False)
         pull = self._ctx.socket(zmq.PULL)
         pull.setsockopt(zmq.LINGER, 0)
         outbox_address = f"inproc://pdserve-kv-outbox-{next(_instances)}"
@@ -263,7 +269,7 @@ class ControlReceiver(KVReceiver):
             plane.start(self.kv, table, self._outbox, on_commit, self.host)
         self._thread = threading.Thread(
             target=self._serve,
-            args=(sock, pull, listener, info, table, on_commit),
+            args=(sock, pull, listeners, info, table, on_commit),
             name="kv-receiver",
             daemon=True,
         )
@@ -279,7 +285,7 @@ class ControlReceiver(KVReceiver):
 
     # -- receiver thread -----------------------------------------------------------------------
 
-    def _serve(self, sock, pull, listener, info: NodeInfo, table: ReservationTable, on_commit) -> None:
+    def _serve(self, sock, pull, listeners, info: NodeInfo, table: ReservationTable, on_commit) -> None:
         # Connections accepted and closed: per-connection state must not outlive its connection.
         monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
         self._router = sock
@@ -289,11 +295,12 @@ class ControlReceiver(KVReceiver):
         poller = self._poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(pull, zmq.POLLIN)
-        poller.register(listener.fileno(), zmq.POLLIN)
+        for listener in listeners:
+            poller.register(listener.fileno(), zmq.POLLIN)
         try:
             while not self._stop.is_set():
                 try:
-                    self._serve_once(poller, sock, pull, listener, monitor, info, table, on_commit)
+                    self._serve_once(poller, sock, pull, listeners, monitor, info, table, on_commit)
                 except zmq.ContextTerminated:
                     return
                 except Exception:  # nothing a peer sends may stop this thread
@@ -303,13 +310,14 @@ class ControlReceiver(KVReceiver):
             for lane in list(self._lanes.values()):
                 lane.close()
             self._lanes.clear()
-            listener.close()
+            for listener in listeners:
+                listener.close()
             sock.disable_monitor()
             monitor.close(linger=0)
             pull.close(linger=0)
             sock.close(linger=0)
 
-    def _serve_once(self, poller, sock, pull, listener, monitor, info, table, on_commit) -> None:
+    def _serve_once(self, poller, sock, pull, listeners, monitor, info, table, on_commit) -> None:
         while self._broken_lanes:
             lane, why = self._broken_lanes.pop()
             if lane.fd in self._lanes and self._lanes[lane.fd] is lane:
@@ -329,8 +337,9 @@ class ControlReceiver(KVReceiver):
                 except zmq.Again:
                     break
                 self._send_to(peer, body)
-        if listener.fileno() in events:
-            self._accept_lanes(listener)
+        for listener in listeners:
+            if listener.fileno() in events:
+                self._accept_lanes(listener)
         if self._lanes:
             self._serve_lanes(events, info, table, on_commit)
         if sock not in events:
@@ -609,7 +618,9 @@ class ControlReceiver(KVReceiver):
             if self.planes[chosen].lane:
                 conn.lane_token = os.urandom(TOKEN_BYTES)
                 self._tokens[conn.lane_token] = peer
-                reply = msgspec.structs.replace(reply, lane_port=self._lane_port, lane_token=conn.lane_token)
+                reply = msgspec.structs.replace(
+                    reply, lane_port=self._lane_port, lane_path=self._lane_path, lane_token=conn.lane_token
+                )
         return reply
 
 
@@ -861,12 +872,15 @@ class _Peer(ControlLink):
         refused or broken while it opens fails the job (the next one starts afresh)."""
         host = self.address.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
         largest = MAX_MESSAGE_BYTES + (1 << 20)
-        try:
-            until = min(deadline, time.monotonic() + LANE_CONNECT_S)
-            lane = SenderLane.connect(host, chosen.lane_port, until, largest)
-        except KVTransferError as e:
-            logger.warning("%s; the KV session to %s stays on its control connection", e, self.address)
-            return
+        # A peer on this host (in this network namespace) is reached through its Unix socket.
+        lane = SenderLane.connect_local(chosen.lane_path, largest) if chosen.lane_path else None
+        if lane is None:
+            try:
+                until = min(deadline, time.monotonic() + LANE_CONNECT_S)
+                lane = SenderLane.connect(host, chosen.lane_port, until, largest)
+            except KVTransferError as e:
+                logger.warning("%s; the KV session to %s stays on its control connection", e, self.address)
+                return
         try:
             lane.send(encode(KVLane(token=chosen.lane_token)), deadline)
             body = lane.recv(max(deadline - time.monotonic(), 0.0))

@@ -114,6 +114,9 @@ class KVSetupReply(KVMessage):
     lane_port: int = 0
     """Where the session's lane is opened (``kv_transfer.lane``), on the control connection's host;
     0: the chosen plane takes none, its messages stay on the control connection."""
+    lane_path: str = ""
+    """The abstract Unix socket name of the same lanes, for a sender on the receiver's host (in its
+    network namespace): found there, it is taken instead of the port ("" where there is none)."""
     lane_token: bytes = b""
     """What the sender presents first on the lane (``KVLane``): binds it to this connection, once."""
 

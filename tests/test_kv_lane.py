@@ -56,10 +56,16 @@ def _send_ok(pair: Pair, rid: str, src: list[int], dst: list[int]) -> None:
     assert torch.equal(pair.dst[:, dst], pair.src[:, src])
 
 
-@pytest.fixture
-def pair():
+@pytest.fixture(params=["unix", "tcp"])
+def pair(request):
+    """A nixl pair whose lane is the receiver's Unix socket (both on this host), or its TCP port (the
+    Unix socket's name not sent, as for a peer on another host)."""
     p = Pair(SMALL, src_blocks=16, dst_blocks=32)
+    if request.param == "tcp":
+        p.receiver._lane_path = ""
     p.sender.handshake(p.address, info("prefill", SMALL), 10)
+    family = p.sender._peers[p.address].lane.sock.family
+    assert family == (socket.AF_UNIX if request.param == "unix" else socket.AF_INET)
     yield p
     p.close()
 
@@ -171,6 +177,7 @@ def test_a_sender_that_cannot_reach_the_lane_port_keeps_the_session_on_the_contr
         closed = socket.socket()
         closed.bind(("127.0.0.1", 0))
         pair.receiver._lane_port = closed.getsockname()[1]  # nobody listens there
+        pair.receiver._lane_path = "pdserve-kv-lane-on-another-host"  # nor is this socket here
         closed.close()
         with caplog.at_level(logging.WARNING, logger="pdserve.kv_transfer.control"):
             pair.sender.handshake(pair.address, info("prefill", SMALL), 10)
@@ -277,3 +284,18 @@ def test_a_reply_that_cannot_be_written_closes_the_lane_at_the_next_turn(pair, m
     _wait(lambda: _conns(pair) == {} or all(c.lane is not None for c in _conns(pair).values()))
     _send_ok(pair, "after", [6], [6])
     assert "after" in pair.commits
+
+
+@nixl_only
+def test_a_lane_socket_name_not_found_here_falls_back_to_the_port():
+    """A receiver on another host (or in another network namespace) names a Unix socket this host
+    does not have: the sender opens the lane on the TCP port instead."""
+    pair = Pair(SMALL, src_blocks=16, dst_blocks=32)
+    try:
+        pair.receiver._lane_path = "pdserve-kv-lane-on-another-host"
+        pair.sender.handshake(pair.address, info("prefill", SMALL), 10)
+        assert pair.sender._peers[pair.address].lane.sock.family == socket.AF_INET
+        _send_ok(pair, "port", [1, 2], [3, 4])
+        assert pair.commits == ["port"]
+    finally:
+        pair.close()
