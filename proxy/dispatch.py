@@ -233,6 +233,7 @@ class Generation:
         self._prefill_pending = False  # a prefill call was sent and not answered
         self._prefill_task: asyncio.Future | None = None  # this attempt's prefill call
         self._prefill_settled = False  # the prefill call was handed to ``_generate``, which settles it
+        self._prefill_counted = False
         # What the caller reads: events, then None or a ProxyError (one reader, no bound: the
         # node's pace bounds it).
         self._items: collections.deque[TokenEvent | ProxyError | None] = collections.deque()
@@ -360,6 +361,7 @@ class Generation:
         self.prefill_result = None
         self._prefill_pending = False
         self._prefill_settled = False
+        self._prefill_counted = False  # this attempt's prefill decision was counted
         route = await self.d.router.route(self.node_request_id, self._prompt)
         if route.index != "none":
             self.d.index_lookup.observe(route.lookup_s)
@@ -626,7 +628,8 @@ class Generation:
             self.prefill_node = node
             self._prefill_pending = True
             cached = route.cached_tokens(node)
-            if not failed:
+            if not failed and not self._prefill_counted:
+                self._prefill_counted = True
                 reason = "remote_prefill_cached" if cached else "remote_prefill"
                 if landing_soon is None:
                     self.d.decide(reason)
@@ -673,6 +676,12 @@ class Generation:
             return result
         if not failed:
             raise ProxyError(503, "no compatible prefill node is available", retry_after=1)
+        if len(full) == len(failed) and landing_soon is not None:
+            # Every queue was full while the decode node reserved. Once it has, ask again with the
+            # landing, as without the overlap: prompts sent early for reservations that then failed
+            # have left the queues by now (else admissions on the two sides could miss each other
+            # and refuse every request of a burst that the cluster could partly serve).
+            return await self._prefill(route, await landing_soon)
         if len(full) == len(failed):  # every prefill node's queue is full: the client may retry
             raise ProxyError(
                 429, "every prefill node's queue is full: " + "; ".join(failed), retry_after=max(full)

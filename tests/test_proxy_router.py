@@ -269,3 +269,56 @@ def test_no_early_prefill_for_a_decode_node_without_room():
     reservation first and the prefill after it; one with 4 gets both at once."""
     assert _four_failed_reservations(True, free_blocks=3)[1] == []
     assert _four_failed_reservations(True, free_blocks=4)[1] == ["r0", "r1", "r2", "r3"]
+
+
+def test_an_early_prefill_refused_by_full_queues_is_asked_again_once_reserved():
+    """The prompt went to the prefill node while the decode node reserved, and every prefill queue
+    was full (429): once the reservation is made, the proxy asks again with the landing (prompts
+    sent early for reservations that failed have left the queues by then), instead of refusing a
+    request the cluster can serve. Counted as one remote-prefill decision."""
+    from pdserve.messages import LandingDescriptor
+    from pdserve.metrics import Registry
+    from pdserve.proxy.channel import NodeError
+    from pdserve.proxy.dispatch import Dispatcher
+    from pdserve.proxy.protocol import ProxyError
+    from pdserve.sampling_params import SamplingParams
+
+    r = router([info("prefill")], [info("decode", node_id="d0")])
+    decode_node, prefill_node = r.decode[0], r.prefill[0]
+    decode_node.load = NodeLoad(0, 0, 0, 100, 100, 0)  # room: the prompt goes out early
+    calls: list[tuple[str, bool]] = []
+
+    async def reserve(msg, timeout=None):
+        await asyncio.sleep(0.05)  # the early prefill's refusal comes first
+        return LandingDescriptor(msg.request_id, "d0", "tcp://127.0.0.1:1", list(range(4)), 64, 1e12)
+
+    async def prefill(msg, timeout=None, sent=None):
+        calls.append((msg.request_id, msg.landing is not None))
+        if msg.landing is None:
+            raise NodeError(prefill_node.url, "queue full", 429, retry_after=1.0)
+        raise NodeError(prefill_node.url, "bad request", 400)  # ends the attempt: enough here
+
+    class _Stream:
+        async def __aenter__(self):
+            return self
+
+        async def __aexit__(self, *exc):
+            return False
+
+    decode_node.client.reserve = reserve
+    decode_node.client.stream = lambda *a, **k: _Stream()
+    decode_node.client.abort = prefill_node.client.abort = lambda *a, **k: asyncio.sleep(0)
+    prefill_node.client.prefill = prefill
+    d = Dispatcher(r, Registry(), overlap_reserve=True)
+
+    async def main() -> None:
+        gen = d.start("r0", list(range(64)), SamplingParams(max_tokens=2), 1e9)
+        with pytest.raises(ProxyError, match="bad request"):
+            await gen.next()
+        await asyncio.sleep(0.01)
+
+    decided: list[str] = []
+    d.decide = decided.append
+    asyncio.run(main())
+    assert calls == [("r0", False), ("r0", True)]
+    assert decided == ["remote_prefill"]
