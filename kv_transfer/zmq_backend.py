@@ -224,6 +224,8 @@ class ZmqReceiverPlane(ReceiverPlane):
                 src = _frombuffer(payload[0].buffer, kv.dtype, (l1 - l0, len(msg.block_ids), *kv.shape[2:]))
                 _copy_into(kv[l0:l1], msg.block_ids, src)
 
+        if kv.is_cuda:
+            copy = _landed_off_the_engine_stream(kv, copy)
         error = self.table.write(msg.request_id, msg.block_ids, l0, l1, copy)
         if not error:
             self.bytes_received += msg.nbytes
@@ -234,6 +236,19 @@ class ZmqReceiverPlane(ReceiverPlane):
 
     def close(self) -> None:
         pass
+
+
+def _landed_off_the_engine_stream(kv: torch.Tensor, copy: Callable[[], None]) -> Callable[[], None]:
+    """``copy`` on a side stream of the cache's device (not behind the decode engine's step on the
+    default stream), landed before it returns: the commit follows, and the engine's stream is not
+    ordered after the side stream."""
+
+    def run() -> None:
+        with torch.cuda.stream(side_stream(kv.device)):
+            copy()
+            torch.cuda.current_stream().synchronize()
+
+    return run
 
 
 def _copy_into(layers: torch.Tensor, block_ids: Sequence[int], src: torch.Tensor) -> None:
