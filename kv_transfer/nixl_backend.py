@@ -812,6 +812,7 @@ class NixlSession(SenderSession):
         self.progress = plane.progress
         self._pending: dict[int, _Offered] = {}  # xfer id -> the READ
         self._error = ""  # the first refusal among the pending READs' reports
+        self._planned: tuple[Staged, list, list] | None = None  # ``quick``'s plan of the send it saw
 
     carries_commit = True  # inside the send's last KVReady
 
@@ -846,6 +847,10 @@ class NixlSession(SenderSession):
         """How ``deliver`` sends: the pieces of a packed send (``packs``), else no pieces and the
         layer chunks READ in place (per-layer events: chunks follow the layers as they finish; not
         on one GPU, nor out of a block-major cache: the docstring)."""
+        planned = self._planned
+        if planned is not None and planned[0] is staged:  # ``quick`` planned this send already
+            self._planned = None
+            return planned[1], planned[2]
         plane, kv = self.plane, self.plane.kv
         num_layers, slab = kv.shape[0], plane.slab_bytes
         layer_wise = len(staged.ready) > 1 and not self.same_gpu and not plane.layout.block_major
@@ -863,6 +868,7 @@ class NixlSession(SenderSession):
         if self._pending or not staged.done():
             return False
         pieces, chunks = self._plan(staged, list(dst_block_ids))
+        self._planned = (staged, pieces, chunks)  # ``deliver`` takes it rather than planning again
         return not pieces and len(chunks) == 1
 
     def _offer(
