@@ -72,6 +72,7 @@ class DecodeService(NodeService):
             transport,
             host=node.kv_host,
             port=node.kv_port,
+            lane_port=node.kv_lane_port,
             cluster_token=node.cluster_token,
             options=state.kv_options,
         )

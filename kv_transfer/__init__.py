@@ -200,11 +200,13 @@ def create_receiver(
     port: int = 0,
     cluster_token: str = "",
     options: Sequence[object] = (),
+    lane_port: int = 0,
 ) -> KVReceiver:
     """A decode-side receiver accepting ``name``'s transports (see ``transport_preferences``),
-    each configured by its options object in ``options`` (defaults for the others)."""
+    each configured by its options object in ``options`` (defaults for the others), taking lanes
+    on ``lane_port`` (0: a free port)."""
     planes = [plugin.receiver_plane(opts) for plugin, opts in _plugins(name, options)]
-    return ControlReceiver(planes, host, port, cluster_token)
+    return ControlReceiver(planes, host, port, cluster_token, lane_port)
 
 
 def create_sender(

@@ -207,10 +207,13 @@ class ControlReceiver(KVReceiver):
         host: str = "127.0.0.1",
         port: int = 0,
         cluster_token: str = "",
+        lane_port: int = 0,
     ) -> None:
         assert planes, "a receiver needs at least one plane"
         self.host = host
         self.port = port
+        self.lane_port = lane_port
+        """Where lanes are taken on ``host`` (``kv_transfer.lane``); 0: a free port."""
         self.cluster_token = cluster_token
         self.planes = {p.name: p for p in planes}
         self.transports = tuple(self.planes)
@@ -240,20 +243,33 @@ class ControlReceiver(KVReceiver):
 
     def start(self, info: NodeInfo, table: ReservationTable, on_commit: Callable[[KVCommit], None]) -> str:
         assert self.kv is not None, "register_kv_cache first"
+        # The lane port first: a taken one fails the start before the control port is bound (ZeroMQ
+        # lets a bound port go only after its socket's close, later, on its I/O thread).
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        try:
+            lanes = socket.create_server(
+                (self.host, self.lane_port), family=family, backlog=MAX_PENDING_LANES
+            )
+        except OSError as e:
+            raise KVTransferError(f"cannot take KV lanes on {self.host}:{self.lane_port}: {e}") from None
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         largest = max(MAX_MESSAGE_BYTES, *(p.max_message_bytes for p in self.planes.values()))
         sock.setsockopt(zmq.MAXMSGSIZE, largest + (1 << 20))
         sock.setsockopt(zmq.RCVHWM, RECEIVE_HWM)
-        if self.port:
-            sock.bind(f"tcp://{self.host}:{self.port}")
-            port = self.port
-        else:
-            port = sock.bind_to_random_port(f"tcp://{self.host}")
+        try:
+            if self.port:
+                sock.bind(f"tcp://{self.host}:{self.port}")
+                port = self.port
+            else:
+                port = sock.bind_to_random_port(f"tcp://{self.host}")
+        except zmq.ZMQError:
+            sock.close(linger=0)
+            lanes.close()
+            raise
         address = f"tcp://{self.host}:{port}"
-        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
-        listeners = [socket.create_server((self.host, 0), family=family, backlog=MAX_PENDING_LANES)]
-        self._lane_port = listeners[0].getsockname()[1]
+        listeners = [lanes]
+        self._lane_port = lanes.getsockname()[1]
         local = open_local_listener(MAX_PENDING_LANES)
         if local is not None:
             listeners.append(local)

@@ -17,7 +17,8 @@ port and a one-time token (``KVSetupReply.lane``), the sender opens a TCP connec
 presents the token first (``KVLane`` -> ``KVLaneReply``); from then on every message of the
 session goes and comes back on the lane. The lane and the control connection live and die
 together: either closing drops the session on the receiver (``ControlReceiver._forget``) and
-makes the sender start afresh. The receiver listens for lanes on a TCP port of its KV host and, on
+makes the sender start afresh. The receiver listens for lanes on a TCP port of its KV host (the
+node's ``--kv-lane-port``, a free one by default; a taken one fails its start) and, on
 Linux, on a Unix socket in the abstract namespace under a random name (``open_local_listener``);
 the set-up reply names both, and a sender on the same host (in the same network namespace) finds
 the socket and takes it, anyone else the port. A sender that reaches neither (a firewall) logs it

@@ -239,6 +239,11 @@ class NodeConfig:
     """Interface the KV receiver binds to (decode nodes)."""
     kv_port: int = 0
     """KV receiver port; 0 picks a free one."""
+    kv_lane_port: int = 0
+    """Port on ``kv_host`` where a decode node takes KV lanes: the TCP connections over which nixl
+    and nccl sessions move their control messages once set up (``kv_transfer.lane``); 0 picks a
+    free one. Fix it where a firewall opens only named ports between node hosts: a prefill node
+    that cannot reach the lane keeps those messages on ``kv_port``, slower."""
     kv_transport: str = "auto"
     """auto (nixl > nccl > zmq on CUDA hosts, zmq on CPU-only ones), nixl, nccl, zmq, or a
     comma-separated order of preference; each prefill-decode pair agrees on one at handshake."""
@@ -283,6 +288,13 @@ class NodeConfig:
                 f"a node on {', '.join(dict.fromkeys(exposed))} without a cluster token would let anyone "
                 "who reaches it reserve its KV blocks and inject KV: pass --cluster-token (or set "
                 "PDSERVE_CLUSTER_TOKEN), bind to 127.0.0.1, or pass --insecure-no-cluster-token"
+            )
+        for name in ("port", "channel_port", "kv_port", "kv_lane_port"):
+            if not 0 <= getattr(self, name) < 65536:
+                raise ValueError(f"{name} must be in [0, 65535], got {getattr(self, name)}")
+        if self.kv_lane_port and self.kv_lane_port == self.kv_port:
+            raise ValueError(
+                f"kv_lane_port and kv_port are both {self.kv_port}: the lane needs a port of its own"
             )
         if self.heartbeat_ttl_s <= 0:
             raise ValueError(f"heartbeat_ttl_s must be > 0, got {self.heartbeat_ttl_s}")

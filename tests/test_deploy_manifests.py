@@ -164,8 +164,14 @@ def test_k8s_pdserve_args_parse(overlay):
             continue
         for c in _pod(d)["containers"]:
             if c["image"].rsplit("/", 1)[-1].startswith("pdserve"):
-                _check_pdserve_argv([_expand(a, env) for a in c["args"]])
+                argv = [_expand(a, env) for a in c["args"]]
+                _check_pdserve_argv(argv)
                 checked += 1
+                args = build_parser().parse_args(argv)
+                if getattr(args, "role", "") == "decode":  # what prefill pods connect to is declared
+                    declared = {p["containerPort"] for p in c["ports"]}
+                    assert {args.kv_port, args.kv_lane_port} <= declared, (args.kv_lane_port, declared)
+                    assert args.kv_lane_port not in (0, args.kv_port)
     assert checked == 3
 
 
@@ -275,6 +281,7 @@ def test_slurm_roles_map_onto_allocated_hosts(tmp_path):
         _check_pdserve_argv(node_argv)
         node_args = build_parser().parse_args(node_argv)
         assert (node_args.role, node_args.port, node_args.kv_port) == (step[-1], 8101, 8201)
+        assert node_args.kv_lane_port == 8301
 
 
 # -- the SSH launcher ------------------------------------------------------------------------------
@@ -285,7 +292,7 @@ redis     10.0.0.1    -      6379
 proxy     10.0.0.1    -      8000   --api-key=k
 prefill   10.0.0.2    0      8100   kv_port=8200
 prefill   10.0.0.2    1      8101   kv_port=8201  num_threads=2
-decode    10.0.0.3    0      8100   kv_port=8200  UCX_NET_DEVICES=mlx5_0:1 at=me@gpu-c --max-num-seqs=64
+decode 10.0.0.3 0 8100 kv_port=8200 kv_lane_port=8300 UCX_NET_DEVICES=mlx5_0:1 at=me@gpu-c --max-num-seqs=64
 """
 
 
@@ -308,6 +315,8 @@ def test_launcher_hosts_file_and_commands():
     assert proxy.redis_url == "redis://:a%20b%2Fc@10.0.0.1:6379/0"  # the token is Redis's password
     node = build_parser().parse_args(launch.role_command(specs[3], specs, cfg)[3:])
     assert (node.host, node.kv_host, node.kv_port, node.num_threads) == ("10.0.0.2", "10.0.0.2", 8201, 2)
+    node = build_parser().parse_args(launch.role_command(decode, specs, cfg)[3:])
+    assert (node.kv_port, node.kv_lane_port) == (8200, 8300)
     redis = launch.role_command(specs[0], specs, cfg)
     assert redis[redis.index("--requirepass") + 1] == "a b/c"
     script = launch.start_script(decode, specs, cfg)
@@ -326,6 +335,11 @@ def test_launcher_hosts_file_and_commands():
         ("proxy h - 8000\ndecode h - 8100", "at least one prefill"),
         ("proxy h - 8000\nprefill h - 8100\ndecode h - 8100", "both use h:8100"),
         ("proxy h - 8000\nprefill h - 8100 kv_port=8000\ndecode h - 8101", "both use h:8000"),
+        (
+            "proxy h - 8000\nprefill h - 8100\ndecode h - 8101 kv_port=8200 kv_lane_port=8200",
+            "both use h:8200",
+        ),
+        ("proxy h - 8000\nprefill h - 8100\ndecode h - 8101 kv_lane_port=70000", "kv_lane_port must be in"),
         ("proxy h - 8000\nprefill h - 8100 colour=red\ndecode h - 8101", "line 2: unknown option 'colour'"),
         ("proxy h - 8000\nrouter h - 8100\ndecode h - 8101", "unknown role 'router'"),
         ("proxy h - 8000\nprefill h -\ndecode h - 8101", "line 2: expected: role host gpus port"),

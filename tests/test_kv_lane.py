@@ -16,10 +16,11 @@ import torch
 
 from pdserve import kv_transfer
 from pdserve.kv_transfer import KVTransferError, control
+from pdserve.kv_transfer.base import ReservationTable
 from pdserve.kv_transfer.lane import FrameReader, LaneClosed, SenderLane, frame
 from pdserve.kv_transfer.messages import KVHandshake, KVLane, KVLaneReply
 from pdserve.messages import decode, encode
-from tests.test_kv_transfer_nixl import SMALL, Pair, info
+from tests.test_kv_transfer_nixl import SMALL, Pair, cache, info
 
 nixl_only = pytest.mark.skipif("nixl" not in kv_transfer.available_transports(), reason="nixl not installed")
 
@@ -299,3 +300,43 @@ def test_a_lane_socket_name_not_found_here_falls_back_to_the_port():
         assert pair.commits == ["port"]
     finally:
         pair.close()
+
+
+@nixl_only
+def test_a_fixed_lane_port_is_where_a_session_from_another_host_opens_its_lane():
+    """``--kv-lane-port``: the set-up reply names it, and a sender that does not share the
+    receiver's host (no Unix socket name) opens its lane there."""
+    with socket.socket() as probe:  # a port free a moment ago
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    p = Pair(SMALL, src_blocks=16, dst_blocks=32)
+    try:
+        fixed = kv_transfer.create_receiver("nixl", lane_port=port)
+        fixed.register_kv_cache(p.dst)
+        p.receiver.close()
+        p.receiver, p.address = fixed, fixed.start(info("decode", SMALL), p.table, p._commit)
+        fixed._lane_path = ""
+        p.sender.handshake(p.address, info("prefill", SMALL), 10)
+        assert p.sender._peers[p.address].lane.sock.getpeername()[1] == port
+        _send_ok(p, "fixed-port", [3, 4], [7, 8])
+    finally:
+        p.close()
+
+
+def test_a_lane_port_in_use_fails_the_receivers_start_naming_it():
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen(1)
+        port = held.getsockname()[1]
+        with socket.socket() as probe:  # a port free a moment ago, for the control connection
+            probe.bind(("127.0.0.1", 0))
+            kv_port = probe.getsockname()[1]
+        receiver = kv_transfer.create_receiver("zmq", port=kv_port, lane_port=port)
+        receiver.register_kv_cache(cache(SMALL, 4, fill=False))
+        with pytest.raises(KVTransferError, match=f"cannot take KV lanes on 127.0.0.1:{port}"):
+            receiver.start(info("decode", SMALL), ReservationTable(SMALL[0]), lambda commit: None)
+        # The control port it had bound was let go: a receiver can take it now.
+        again = kv_transfer.create_receiver("zmq", port=kv_port)
+        again.register_kv_cache(cache(SMALL, 4, fill=False))
+        assert again.start(info("decode", SMALL), ReservationTable(SMALL[0]), lambda commit: None)
+        again.close()

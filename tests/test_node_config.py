@@ -33,6 +33,16 @@ def test_roles_and_url_lists():
     assert cfg.both_urls == ("http://b:1",) and cfg.prefill_urls == ("http://b:1",)
 
 
+def test_ports_in_range_and_the_lane_port_of_its_own():
+    assert NodeConfig(kv_port=8200, kv_lane_port=8201).kv_lane_port == 8201
+    with pytest.raises(ValueError, match="the lane needs a port of its own"):
+        NodeConfig(kv_port=8200, kv_lane_port=8200)
+    with pytest.raises(ValueError, match=r"kv_lane_port must be in \[0, 65535\], got 70000"):
+        NodeConfig(kv_lane_port=70000)
+    with pytest.raises(ValueError, match="kv_port must be in"):
+        NodeConfig(kv_port=-1)
+
+
 def test_redis_password_is_masked_in_logs():
     assert redacted("redis://:secret@10.0.0.1:6379/0") == "redis://:***@10.0.0.1:6379/0"
     assert redacted("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"

@@ -28,13 +28,14 @@ Hosts file: one role per line, ``#`` starts a comment::
     proxy     10.0.0.1    -      8000
     prefill   10.0.0.2    0      8100   kv_port=8200
     prefill   10.0.0.2    1      8101   kv_port=8201   --max-num-batched-tokens=4096
-    decode    10.0.0.3    0      8100   kv_port=8200   UCX_NET_DEVICES=mlx5_0:1
+    decode    10.0.0.3    0      8100   kv_port=8200   kv_lane_port=8300   UCX_NET_DEVICES=mlx5_0:1
 
 ``role`` is redis, proxy, prefill, decode or both. ``host`` is the address the role binds to
 and the others reach it at (nodes also bind their KV receiver to it). ``gpus`` becomes
 CUDA_VISIBLE_DEVICES (``-``: leave it unset). Options: ``at=<target>`` (where the runner starts
 it: an ssh destination such as user@gpu-a, or a namespace name; default: host),
-``kv_port=N``, ``num_threads=N``; ``NAME=value`` with an upper-case name sets an environment
+``kv_port=N``, ``kv_lane_port=N`` (a decode node's KV lane port: fix it where a firewall opens
+only named ports between hosts), ``num_threads=N``; ``NAME=value`` with an upper-case name sets an environment
 variable; ``--flag=value`` is passed to that role's command line.
 """
 
@@ -85,6 +86,7 @@ class RoleSpec:
     at: str = ""
     """Runner target; empty means ``host``."""
     kv_port: int = 0
+    kv_lane_port: int = 0
     num_threads: int | None = None
     env: tuple[tuple[str, str], ...] = ()
     args: tuple[str, ...] = ()
@@ -94,8 +96,9 @@ class RoleSpec:
             raise ValueError(f"unknown role {self.role!r}; choose one of {', '.join(ROLES)}")
         if not 0 < self.port < 65536:
             raise ValueError(f"{self.name}: port must be in [1, 65535], got {self.port}")
-        if not 0 <= self.kv_port < 65536:
-            raise ValueError(f"{self.name}: kv_port must be in [0, 65535], got {self.kv_port}")
+        for key in ("kv_port", "kv_lane_port"):
+            if not 0 <= getattr(self, key) < 65536:
+                raise ValueError(f"{self.name}: {key} must be in [0, 65535], got {getattr(self, key)}")
 
     @property
     def target(self) -> str:
@@ -136,11 +139,12 @@ def parse_hosts(text: str) -> list[RoleSpec]:
                     kw["env"].append((key, value))
                 elif key in ("at",):
                     kw[key] = value
-                elif key in ("kv_port", "num_threads"):
+                elif key in ("kv_port", "kv_lane_port", "num_threads"):
                     kw[key] = int(value)
                 else:
                     raise ValueError(
-                        f"unknown option {key!r} (at, kv_port, num_threads, ENV=value, --flag=v)"
+                        f"unknown option {key!r} "
+                        "(at, kv_port, kv_lane_port, num_threads, ENV=value, --flag=v)"
                     )
             index = counts.get(role, 0)
             counts[role] = index + 1
@@ -175,7 +179,7 @@ def _check_cluster(specs: list[RoleSpec]) -> None:
         raise ValueError("the hosts file needs at least one decode (or both) node")
     seen: dict[tuple[str, int], str] = {}
     for s in specs:
-        for port in (s.port, s.kv_port):
+        for port in (s.port, s.kv_port, s.kv_lane_port):
             if port and (s.host, port) in seen:
                 raise ValueError(f"{s.name} and {seen[(s.host, port)]} both use {s.host}:{port}")
             if port:
@@ -309,6 +313,8 @@ def role_command(spec: RoleSpec, specs: list[RoleSpec], cfg: LaunchConfig) -> li
     cmd += ["--port", str(spec.port), "--kv-host", spec.host, *common]
     if spec.kv_port:
         cmd += ["--kv-port", str(spec.kv_port)]
+    if spec.kv_lane_port:
+        cmd += ["--kv-lane-port", str(spec.kv_lane_port)]
     threads = spec.num_threads if spec.num_threads is not None else cfg.num_threads
     if threads is not None:
         cmd += ["--num-threads", str(threads)]
