@@ -57,7 +57,10 @@ class _Reservation:
 
     def num_missing(self, num_layers: int) -> int:
         """(layer, block) units of the reservation no write covered."""
-        if all(start == 0 and end == num_layers for start, end, _ in self.landed):
+        landed = self.landed
+        if len(landed) == 1 and landed[0][:2] == (0, num_layers) and list(landed[0][2]) == self.block_ids:
+            return 0  # one write of every block in the reservation's order: compared in C
+        if all(start == 0 and end == num_layers for start, end, _ in landed):
             # Every write covered all layers (the common case of a send in one piece): a set will do,
             # which costs a few microseconds where the grid below costs tens.
             covered = set().union(*(block_ids for _, _, block_ids in self.landed))
@@ -139,7 +142,8 @@ class ReservationTable:
             r.error = "lease expired before the KV arrived"
         elif not 0 <= layer_start < layer_end <= self.num_layers:
             r.error = f"layer range [{layer_start}, {layer_end}) outside [0, {self.num_layers})"
-        elif not block_ids or not set(block_ids) <= r.allowed:
+        elif not block_ids or (list(block_ids) != r.block_ids and not set(block_ids) <= r.allowed):
+            # (A send of the whole reservation in its order, the usual one, is compared in C.)
             r.error = f"block ids {list(block_ids)[:8]} are not all reserved for {request_id!r}"
         else:
             return ""
@@ -503,11 +507,28 @@ def slab_bytes(kv: torch.Tensor) -> int:
     return kv[0, 0].numel() * kv.element_size()
 
 
+def consecutive(block_ids: Sequence[int]) -> bool:
+    """Whether ``block_ids`` is a run ``k, k + 1, ...`` (empty: no). Checked by one list comparison in
+    C rather than a Python loop (512 ids: 7 us against 35 for ``block_runs``' loop on a 2-core box):
+    a prompt's blocks, freshly allocated, usually are one run on both nodes."""
+    n = len(block_ids)
+    if not n or block_ids[-1] - block_ids[0] != n - 1:
+        return False
+    first = block_ids[0]
+    ids = block_ids if isinstance(block_ids, list) else list(block_ids)
+    return ids == list(range(first, first + n))
+
+
 def block_runs(src_block_ids: Sequence[int], dst_block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
     """(source start, destination start, count) of the runs of blocks consecutive on both sides.
 
-    Once per send on each side, on the critical path: the open run lives in three locals, not in
-    a tuple rebuilt per block (4x faster at 512 blocks in order, 88 -> 21 us on a 2-core box)."""
+    Once per send on each side, on the critical path: one run on both sides is recognized without a
+    loop (``consecutive``); otherwise the open run lives in three locals, not in a tuple rebuilt per
+    block (4x faster at 512 blocks in order, 88 -> 21 us on a 2-core box)."""
+    if len(src_block_ids) != len(dst_block_ids):
+        raise ValueError(f"{len(src_block_ids)} source blocks for {len(dst_block_ids)} destinations")
+    if consecutive(src_block_ids) and consecutive(dst_block_ids):
+        return [(src_block_ids[0], dst_block_ids[0], len(src_block_ids))]
     runs: list[tuple[int, int, int]] = []
     pairs = zip(src_block_ids, dst_block_ids, strict=True)
     first = next(pairs, None)
@@ -610,7 +631,10 @@ def copy_to_cpu(kv: torch.Tensor, block_ids: Sequence[int]) -> Staged:
 
 def valid_block_ids(block_ids: Sequence[int], num_blocks: int) -> bool:
     """Non-empty, distinct, each in [0, num_blocks): a frame never names a block twice or one
-    outside the cache (the reservation table then checks they are the request's)."""
+    outside the cache (the reservation table then checks they are the request's). A run of
+    consecutive ids is all three at once when its ends are in range."""
+    if consecutive(block_ids):
+        return block_ids[0] >= 0 and block_ids[-1] < num_blocks
     return (
         bool(block_ids)
         and len(block_ids) <= num_blocks
