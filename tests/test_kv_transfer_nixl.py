@@ -6,6 +6,7 @@ until the sender released them, even when the request is aborted or its send fai
 from __future__ import annotations
 
 import dataclasses
+import json
 import multiprocessing as mp
 import os
 import signal
@@ -859,3 +860,16 @@ def test_layer_chunks_follow_the_forward_except_when_both_caches_share_a_gpu(sam
         assert [(o.layer_start, o.layer_end) for o in offers] == [(0, 2), (2, 4)] and waited == [2, 4]
     assert offers[-1].commit == commit and all(o.commit is None for o in offers[:-1])
     assert all(o.src_block_ids == [3, 4] and o.dst_block_ids == [5, 6] for o in offers)
+
+
+@nixl_only
+def test_the_read_setup_benchmark_times_both_ways_and_checks_the_bytes(tmp_path):
+    """``pdserve.benchmarks.nixl_read_setup`` on DRAM: both ways of building a READ timed at each
+    count, and the last READ's bytes checked against the sender's (it raises otherwise)."""
+    from pdserve.benchmarks import nixl_read_setup
+
+    out = tmp_path / "setup.json"
+    nixl_read_setup.main(["--dry-run", "--counts", "1,4", "--repeats", "3", "--output", str(out)])
+    result = json.loads(out.read_text())
+    assert [r["blocks"] for r in result["results"]] == [1, 4]
+    assert all(r["built_median_us"] > 0 and r["prepared_median_us"] > 0 for r in result["results"])
