@@ -166,10 +166,13 @@ class NixlOptions:
     it bounds how long the engine thread's ``ReservationTable.release`` can wait."""
     prepared_max_blocks: int = 64
     """A READ of at most this many blocks (block-major, every layer) takes a descriptor per block
-    by index from the lists prepared once even where its blocks are consecutive: on one H200 a list
-    built for the READ cost ~0.4 ms more (16 MiB in order, one descriptor built: 13-18 GB/s median;
-    shuffled, eight prepared: 23-29), a prepared descriptor ~7 us; past ~60 blocks one descriptor
-    per run built for the READ wins (256 MiB: 174-257 GB/s against 168-182 prepared)."""
+    by index from the lists prepared once even where its blocks are consecutive; longer ones one
+    descriptor per run, built for the READ. The READ alone (``pdserve.benchmarks.nixl_read_setup``,
+    one H200, two processes, medians): built 28.8 / 31.9 / 58.5 / 153.5 / 535.1 us against
+    prepared 19.6 / 23.3 / 51.6 / 150.2 / 550.9 at 1 / 8 / 32 / 128 / 512 blocks of 2 MiB: a built
+    list costs ~8 us more up to a few dozen blocks, the same at 128, and per-block descriptors
+    cost more than one long one past that. (An earlier figure of ~0.4 ms more for a built list,
+    taken inside whole sends, did not hold once measured alone.)"""
     descriptors_per_piece: int = 100
     """A send is packed into staging slots (gather, one READ a slot, scatter) when READ in place it
     would take more than this many descriptors for each piece it takes packed. Between two processes
