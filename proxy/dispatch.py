@@ -105,6 +105,13 @@ class Dispatcher:
         self.full_rejections = registry.counter(
             "pdserve_decode_full_total", "Reservations a decode node refused for lack of free KV blocks."
         )
+        self.early_prefills_dropped = registry.counter(
+            "pdserve_early_prefills_dropped_total",
+            "Prompts sent to a prefill node while their decode node reserved (the overlap) and dropped "
+            "before a landing came: the reservation failed, the request ended, or the decode node "
+            "computes the prompt itself. Prefill work thrown away.",
+            ["reason"],
+        )
         self.migrations = registry.counter(
             "pdserve_request_migrations_total",
             "Requests restarted on other nodes because a node died under them, by the dead node's role.",
@@ -387,9 +394,10 @@ class Generation:
         reserving = time.monotonic()
         try:
             decode, landing = await self._reserve(route, ranked)
-        except BaseException:
+        except BaseException as exc:
             if prefill is not None:
-                await self._drop_prefill(prefill)
+                ended = isinstance(exc, asyncio.CancelledError)
+                await self._drop_prefill(prefill, "request_ended" if ended else "reservation_failed")
             raise
         self.d.reserve_latency.observe(time.monotonic() - reserving)
         self.decode_node = decode
@@ -401,7 +409,7 @@ class Generation:
             else:
                 landing_now.set_result(landing)
         elif prefill is not None:  # the decode node that took it computes the prompt itself
-            await self._drop_prefill(prefill)
+            await self._drop_prefill(prefill, "decode_computes")
             prefill = None
         self._prefill_task = prefill
         end = self._stream_end = asyncio.get_running_loop().create_future()
@@ -435,9 +443,12 @@ class Generation:
             if not self.finished:
                 self.d.abort(decode, rid)
 
-    async def _drop_prefill(self, prefill: asyncio.Future) -> None:
+    async def _drop_prefill(self, prefill: asyncio.Future, reason: str) -> None:
         """Cancel a prefill started before its landing was known (the request goes no further, or
-        the decode node computes it): the node aborts it and frees its blocks."""
+        the decode node computes it): the node aborts it and frees its blocks. Counted (``reason``)
+        when a prefill node had the prompt."""
+        if self._prefill_pending:
+            self.d.early_prefills_dropped.labels(reason).inc()
         prefill.cancel()
         await asyncio.gather(prefill, return_exceptions=True)
         self._abort_pending_prefill()

@@ -322,3 +322,82 @@ def test_an_early_prefill_refused_by_full_queues_is_asked_again_once_reserved():
     asyncio.run(main())
     assert calls == [("r0", False), ("r0", True)]
     assert decided == ["remote_prefill"]
+
+
+@pytest.mark.parametrize("how", ["reservation_failed", "decode_computes", "request_ended"])
+def test_an_early_prefill_dropped_before_its_landing_is_counted_by_why(how):
+    """The prompt went to the prefill node while the decode node reserved; the reservation then
+    failed, the decode node chose to compute the prompt itself, or the client left: the prefill is
+    aborted on its node and counted as thrown away (``pdserve_early_prefills_dropped_total``)."""
+    from pdserve.messages import LandingDescriptor
+    from pdserve.metrics import Registry
+    from pdserve.proxy.channel import NodeError
+    from pdserve.proxy.dispatch import Dispatcher
+    from pdserve.proxy.protocol import ProxyError
+    from pdserve.sampling_params import SamplingParams
+
+    r = router([info("prefill")], [info("decode", node_id="d0")])
+    decode_node, prefill_node = r.decode[0], r.prefill[0]
+    decode_node.load = NodeLoad(0, 0, 0, 100, 100, 0)  # room: the prompt goes out early
+    prefill_started = asyncio.Event()
+    aborted: list[str] = []
+
+    async def reserve(msg, timeout=None):
+        await prefill_started.wait()  # the prompt is on the prefill node first
+        if how == "reservation_failed":
+            raise NodeError(decode_node.url, "bad reservation", 400)
+        if how == "request_ended":
+            await asyncio.sleep(10)  # cancelled by the client leaving
+        return LandingDescriptor(msg.request_id, "d0", "tcp://127.0.0.1:1", [], 64, 1e12, local_prefill=True)
+
+    async def prefill(msg, timeout=None, sent=None):
+        if sent is not None:
+            sent.set_result(None)
+        prefill_started.set()
+        await asyncio.sleep(10)  # computing, then waiting for its landing
+
+    class _Stream:
+        async def __aenter__(self):
+            return self
+
+        async def __aexit__(self, *exc):
+            return False
+
+    async def abort(*a, **k):
+        aborted.append(a[0] if a else "")
+
+    decode_node.client.reserve = reserve
+    decode_node.client.stream = lambda *a, **k: _Stream()
+    decode_node.client.abort = lambda *a, **k: asyncio.sleep(0)
+    prefill_node.client.abort = abort
+    prefill_node.client.prefill = prefill
+    registry = Registry()
+    d = Dispatcher(r, registry, overlap_reserve=True)
+
+    async def main() -> None:
+        gen = d.start("r0", list(range(64)), SamplingParams(max_tokens=2), 1e9)
+        if how == "reservation_failed":
+            with pytest.raises(ProxyError, match="bad reservation"):
+                await gen.next()
+        elif how == "request_ended":
+            task = asyncio.ensure_future(gen.next())
+            await prefill_started.wait()
+            await asyncio.sleep(0.01)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        else:  # the decode node computes it: the stream (a fake here) ends the request its own way
+            task = asyncio.ensure_future(gen.next())
+            await prefill_started.wait()
+            await asyncio.sleep(0.05)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        await asyncio.sleep(0.01)
+
+    asyncio.run(main())
+    counts = {
+        reason: d.early_prefills_dropped.labels(reason).value
+        for reason in ("reservation_failed", "decode_computes", "request_ended")
+    }
+    assert counts == {reason: float(reason == how) for reason in counts}
+    assert aborted, "the prefill node was told to abort"
+    assert f'pdserve_early_prefills_dropped_total{{reason="{how}"}} 1.0' in registry.render()
