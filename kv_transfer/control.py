@@ -96,6 +96,7 @@ from pdserve.kv_transfer.messages import (
 )
 from pdserve.kv_transfer.plane import ControlLink, Outbox, ReceiverPlane, SenderPlane, SenderSession
 from pdserve.messages import NodeInfo, decode, encode
+from pdserve.utils import YIELD_S, precise_sleeps
 
 logger = logging.getLogger(__name__)
 
@@ -304,6 +305,7 @@ class ControlReceiver(KVReceiver):
     def _serve(self, sock, pull, listeners, info: NodeInfo, table: ReservationTable, on_commit) -> None:
         # Connections accepted and closed: per-connection state must not outlive its connection.
         monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        precise_sleeps()  # its turns while READs run sleep YIELD_S, not the timer slack's 50 us
         self._router = sock
         self._outbox.own(self._send_to)
         if self.kv.is_cuda:  # planes work on the cache from this thread (NIXL asks about pointers)
@@ -342,9 +344,9 @@ class ControlReceiver(KVReceiver):
         for plane in self.planes.values():
             busy |= plane.poll()
         if busy:
-            # Turn again at once, but yield the GIL first: a spin on poll(0) alone would take it
+            # Turn again soon, but yield the GIL first: a spin on poll(0) alone would take it
             # back before the engine thread gets a turn (measured: 4x slower small Python work).
-            time.sleep(0)
+            time.sleep(YIELD_S)
         events = dict(poller.poll(0 if busy else 100))
         if pull in events:
             while True:
@@ -771,6 +773,7 @@ class _Peer(ControlLink):
             job.delivered = True
 
     def _run(self) -> None:
+        precise_sleeps()  # the planes' waits on this thread (an NCCL op's spin) sleep as asked
         while True:
             job = self.jobs.get()
             with self._turn:

@@ -91,6 +91,7 @@ from pdserve.kv_transfer.plane import (
     TransportPlugin,
 )
 from pdserve.messages import encode
+from pdserve.utils import YIELD_S, precise_sleeps
 
 logger = logging.getLogger(__name__)
 
@@ -127,16 +128,17 @@ SPIN_S = 0.001
 
 def _wait(work, deadline: float, cuda: bool) -> None:
     """Wait for a send/recv until ``deadline``; raises on failure or timeout. On CUDA it spins for
-    SPIN_S, yielding the GIL at every turn (``sleep(0)``: the engine thread on this node slows by
-    about a fifth meanwhile), then polls every POLL_S: sleeping from the start would add up to a
-    sleep's granularity to every short transfer."""
+    SPIN_S, yielding the GIL at every turn (``YIELD_S`` on the threads that call this, which
+    ``precise_sleeps``: the engine thread on this node slows by about a fifth meanwhile), then
+    polls every POLL_S: sleeping from the start would add up to a sleep's granularity to every
+    short transfer."""
     if cuda:
         spin_until = time.monotonic() + SPIN_S
         while not work.is_completed():
             now = time.monotonic()
             if now > deadline:
                 raise TimeoutError("timed out")
-            time.sleep(0 if now < spin_until else POLL_S)
+            time.sleep(YIELD_S if now < spin_until else POLL_S)
         work.wait()  # the current stream waits for NCCL's; raises if the op failed
         return
     left = deadline - time.monotonic()
@@ -239,6 +241,7 @@ class _Pair:
         self.thread.start()
 
     def _run(self) -> None:
+        precise_sleeps()  # its waits for NCCL ops spin in YIELD_S turns (``_wait``)
         plane = self.plane
         try:
             store = dist.PrefixStore(f"pdserve-kv/{self.session}/", plane.store)
