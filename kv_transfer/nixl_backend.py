@@ -342,7 +342,9 @@ class NixlReceiverPlane(ReceiverPlane):
     """Runs on the receiver's control thread (with the cache's device current): a KVReady starts
     its READ at once (``handle``), and every turn of the control loop checks the READs in flight
     (``poll``), so a READ's end is answered without a thread hand-off. While READs run, the
-    control loop spins; that is also what progresses UCX (no progress thread).
+    control loop spins, each turn yielding the GIL for ``pdserve.utils.YIELD_S`` (a sleep made
+    exact by ``precise_sleeps``: at Linux's default timer slack a turn took ~60 us longer than
+    the READ needed); that is also what progresses UCX (no progress thread).
 
     A packed READ lands in a slot of this node's staging pool and is scattered from there into the
     reserved blocks (on its own CUDA stream); the reservation stays pinned until the scatter is
