@@ -25,8 +25,9 @@ def precise_sleeps() -> None:
     """End this thread's short sleeps and poll timeouts when asked. Linux lets a thread's timers
     fire up to its timer slack late, 50 us by default: ``time.sleep(0)`` took 56 us on the 2-core
     box (8.6 us with 1 us of slack), and on an H100 host a NIXL READ done in ~40 us was seen at
-    ~110 by a poll loop that slept 0 between its polls. For threads that poll in a loop; the
-    thread's own setting (``prctl(PR_SET_TIMERSLACK)``), a no-op off Linux."""
+    ~110 by a poll loop that slept 0 between its polls (``pdserve.benchmarks.nixl_read_setup``
+    times both). For threads that poll in a loop; the thread's own setting
+    (``prctl(PR_SET_TIMERSLACK)``), a no-op off Linux."""
     if not sys.platform.startswith("linux"):
         return
     with contextlib.suppress(OSError, AttributeError):

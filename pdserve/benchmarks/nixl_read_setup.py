@@ -6,7 +6,10 @@ to its release, blocks ``0..n-1`` of the sender's cache into blocks ``0..n-1`` o
   ``initialize_xfer``): what a READ of more than ``NixlOptions.prepared_max_blocks`` blocks takes;
 - ``prepared``: one descriptor per block, taken by index from lists prepared once for the whole
   cache (``make_prepped_xfer``): what a READ of at most that many blocks, or of scattered blocks,
-  takes.
+  takes;
+- ``built_sleep0`` and ``built_yield``: ``built`` polled as a loop that yields the GIL between its
+  polls does: ``time.sleep(0)`` at Linux's default timer slack (50 us), and ``YIELD_S`` after
+  ``precise_sleeps`` (the KV receiver's control loop while a READ runs).
 
 Two processes with pdserve's agents (no progress thread, strict sync; the receiver's is progressed
 by its polls, the sender's while it waits), caches laid out block-major as the engine's. Each way
@@ -26,10 +29,13 @@ import json
 import multiprocessing as mp
 import shlex
 import sys
+import threading
 import time
 
 import numpy as np
 import torch
+
+from pdserve.utils import YIELD_S, precise_sleeps
 
 
 def _setup(cuda: bool, block_bytes: int, num_blocks: int, fill: bool):
@@ -83,46 +89,71 @@ def run(args: argparse.Namespace) -> dict:
         )
         remote_units = agent.prep_xfer_dlist(remote, _units(src, block_bytes, num_blocks), mem)
 
-        def finish(handle) -> None:
+        def finish(handle, pause: float | None = None) -> None:
             state = agent.transfer(handle)
             while state == "PROC":
+                if pause is not None:
+                    time.sleep(pause)
                 state = agent.check_xfer_state(handle)
             assert state == "DONE", state
             handle.release()
 
-        def built(n: int) -> None:
+        def built(n: int, pause: float | None = None) -> None:
             local = agent.get_xfer_descs(
                 np.array([[dst.data_ptr(), n * block_bytes, 0]], dtype=np.uint64), mem
             )
             source = agent.get_xfer_descs(np.array([[src, n * block_bytes, 0]], dtype=np.uint64), mem)
-            finish(agent.initialize_xfer("READ", local, source, remote))
+            finish(agent.initialize_xfer("READ", local, source, remote), pause)
 
         def prepared(n: int) -> None:
             idx = list(range(n))
             finish(agent.make_prepped_xfer("READ", local_units, idx, remote_units, idx))
 
-        rows = []
-        for n in counts:
-            row = {"blocks": n, "bytes": n * block_bytes}
-            for name, way in (("built", built), ("prepared", prepared)):
-                for _ in range(3):  # warm at this exact shape
+        def timed(way, n: int, precise: bool = False) -> list[float]:
+            """Warm ``way`` at this exact shape, then time it; on a thread of its own (its timer
+            slack: Linux's default, or ``precise_sleeps``')."""
+            times: list[float] = []
+
+            def body() -> None:
+                if precise:
+                    precise_sleeps()
+                for _ in range(3):
                     way(n)
-                times = []
                 for _ in range(args.repeats):
                     if cuda:
                         torch.cuda.synchronize()
                     start = time.perf_counter()
                     way(n)
                     times.append(time.perf_counter() - start)
-                times.sort()
+
+            thread = threading.Thread(target=body)
+            thread.start()
+            thread.join()
+            return sorted(times)
+
+        # The built READ again, polled as a loop that yields the GIL between its polls would:
+        # ``time.sleep(0)`` at the default timer slack, and pdserve's ``YIELD_S`` after
+        # ``precise_sleeps`` (the KV receiver's turns while a READ runs).
+        ways = (
+            ("built", built, False),
+            ("prepared", prepared, False),
+            ("built_sleep0", lambda n: built(n, 0.0), False),
+            ("built_yield", lambda n: built(n, YIELD_S), True),
+        )
+        rows = []
+        for n in counts:
+            row = {"blocks": n, "bytes": n * block_bytes}
+            for name, way, precise in ways:
+                times = timed(way, n, precise)
                 row[f"{name}_best_us"] = times[0] * 1e6
                 row[f"{name}_median_us"] = times[len(times) // 2] * 1e6
             row["prepared_to_built_median"] = row["prepared_median_us"] / row["built_median_us"]
             rows.append(row)
             print(
-                f"{n:5d} blocks ({n * block_bytes >> 20} MiB): built {row['built_median_us']:8.1f} us, "
-                f"prepared {row['prepared_median_us']:8.1f} us (medians; best {row['built_best_us']:.1f} / "
-                f"{row['prepared_best_us']:.1f})",
+                f"{n:5d} blocks ({n * block_bytes >> 20} MiB), medians: "
+                f"built {row['built_median_us']:8.1f} us, "
+                f"prepared {row['prepared_median_us']:8.1f}; built polled with sleep(0) "
+                f"{row['built_sleep0_median_us']:8.1f}, with YIELD_S {row['built_yield_median_us']:8.1f}",
                 flush=True,
             )
         moved = counts[-1] * block_bytes // 4  # the last READ's blocks landed, each byte in place
@@ -143,7 +174,9 @@ def run(args: argparse.Namespace) -> dict:
             "one READ of blocks 0..n-1 into blocks 0..n-1 (block-major caches of 2 MiB blocks, "
             "Llama-3-8B's), from building the transfer to its release: 'built' makes its descriptor "
             "lists for the READ (one descriptor, the run), 'prepared' takes one descriptor per block "
-            "by index from lists prepared once; each warmed at the block count it is timed at"
+            "by index from lists prepared once; 'built_sleep0' / 'built_yield' poll the built READ "
+            "with time.sleep(0) at the default timer slack / YIELD_S after precise_sleeps between "
+            "polls; each warmed at the block count it is timed at, on a thread of its own"
         ),
         "repeats": args.repeats,
         "results": rows,
