@@ -50,6 +50,7 @@ from pdserve.kv_transfer.base import (
     Staged,
     block_index,
     block_runs,
+    consecutive,
     gather_into,
     in_place,
     layer_chunks,
@@ -98,13 +99,6 @@ def _frombuffer(buf, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the frame is read-only; we only read it
         return torch.frombuffer(buf, dtype=dtype).view(shape)
-
-
-def _consecutive(block_ids: Sequence[int]) -> bool:
-    """Whether distinct block ids (validated so) are consecutive and ascending."""
-    return block_ids[-1] - block_ids[0] == len(block_ids) - 1 and all(
-        b - a == 1 for a, b in zip(block_ids, block_ids[1:])
-    )
 
 
 class ZmqReceiverPlane(ReceiverPlane):
@@ -253,7 +247,7 @@ def _landed_off_the_engine_stream(kv: torch.Tensor, copy: Callable[[], None]) ->
 
 def _copy_into(layers: torch.Tensor, block_ids: Sequence[int], src: torch.Tensor) -> None:
     """``layers[:, block_ids] = src``: one contiguous copy where the blocks are consecutive."""
-    if _consecutive(block_ids):
+    if consecutive(block_ids):
         layers[:, block_ids[0] : block_ids[0] + len(block_ids)].copy_(src)
     else:
         layers.index_copy_(1, block_index(block_ids, layers.device), src.to(layers.device))
