@@ -52,6 +52,7 @@ from pdserve.messages import (
 )
 from pdserve.metrics import LATENCY_BUCKETS, Registry
 from pdserve.proxy.channel import NodeError
+from pdserve.proxy.early_prefills import EarlyPrefills, Ticket
 from pdserve.proxy.protocol import ProxyError
 from pdserve.proxy.router import NodeState, Router, RouteRequest
 from pdserve.sampling_params import SamplingParams
@@ -84,6 +85,7 @@ class Dispatcher:
         self.min_remote_prefill_tokens = min_remote_prefill_tokens
         self.policy_name = policy_name
         self._background: set[asyncio.Task] = set()
+        self.early = EarlyPrefills()
         self.decisions = registry.counter(
             "pdserve_routing_decisions_total",
             "Where each request's prompt was computed, and why: remote_prefill(_cached) on a prefill "
@@ -164,9 +166,9 @@ class Dispatcher:
     def decide(self, reason: str) -> None:
         self.decisions.labels(self.policy_name, reason).inc()
 
-    def abort(self, node: NodeState, request_id: str) -> None:
+    def abort(self, node: NodeState, request_id: str) -> asyncio.Task:
         self.aborts.labels(node.role).inc()
-        self.spawn(self._abort(node, request_id))
+        return self.spawn(self._abort(node, request_id))
 
     async def _abort(self, node: NodeState, request_id: str) -> None:
         try:
@@ -241,6 +243,7 @@ class Generation:
         self._prefill_task: asyncio.Future | None = None  # this attempt's prefill call
         self._prefill_settled = False  # the prefill call was handed to ``_generate``, which settles it
         self._prefill_counted = False
+        self._early_ticket: Ticket | None = None  # a dropped early prefill's, settled by its abort
         # What the caller reads: events, then None or a ProxyError (one reader, no bound: the
         # node's pace bounds it).
         self._items: collections.deque[TokenEvent | ProxyError | None] = collections.deque()
@@ -306,6 +309,8 @@ class Generation:
             self._put(ProxyError(500, f"internal error: {type(exc).__name__}: {exc}"))
         finally:
             timer.cancel()
+            if self._early_ticket is not None:  # every path settles it; this is the backstop
+                self.d.early.settle(self._early_ticket)
 
     async def _protocol(self) -> None:
         while True:
@@ -455,8 +460,13 @@ class Generation:
         self._prefill_task = None
 
     def _abort_pending_prefill(self) -> None:
+        ticket, self._early_ticket = self._early_ticket, None
         if self._prefill_pending and not self.finished and self.prefill_node is not None:
-            self.d.abort(self.prefill_node, self.node_request_id)
+            task = self.d.abort(self.prefill_node, self.node_request_id)
+            if ticket is not None:  # the node's queue counts the prompt until it has the abort
+                task.add_done_callback(lambda _: self.d.early.settle(ticket))
+        elif ticket is not None:
+            self.d.early.settle(ticket)
 
     async def _generate(self, prefill: asyncio.Future, end: asyncio.Future) -> None:
         """Wait for the stream's end while the prefill runs; every way out settles the prefill call."""
@@ -625,16 +635,19 @@ class Generation:
         route: RouteRequest,
         landing: LandingDescriptor | None,
         landing_soon: asyncio.Future | None = None,
+        ask_again: bool = True,
     ) -> PrefillResult:
         """Compute the prompt on a prefill node (the first in rank that takes it) and send its KV
         to ``landing``, or, None, to the landing ``landing_soon`` resolves to (it is sent to the
-        node in a ``PrefillLanding`` once known)."""
+        node in a ``PrefillLanding`` once known). Refused by every queue, it asks once more when
+        the refusal may have been the overlap's doing (``ask_again``)."""
         router = self.d.router
         msg = PrefillRequest(
             self.node_request_id, self._prompt, self._params, landing, deadline=self._wall_deadline
         )
         failed: list[str] = []
         full: list[float] = []  # Retry-After of the nodes that answered 429 (queue full)
+        full_urls: list[str] = []
         for node in router.rank(Role.PREFILL, route):
             self.prefill_node = node
             self._prefill_pending = True
@@ -664,6 +677,7 @@ class Generation:
                         router.mark_down(node, exc.message)
                     if exc.status == 429:
                         full.append(exc.retry_after or 1.0)
+                        full_urls.append(node.url)
                     failed.append(f"{node.url}: {exc.message}")
                     continue
                 if exc.status:
@@ -687,12 +701,20 @@ class Generation:
             return result
         if not failed:
             raise ProxyError(503, "no compatible prefill node is available", retry_after=1)
-        if len(full) == len(failed) and landing_soon is not None:
-            # Every queue was full while the decode node reserved. Once it has, ask again with the
-            # landing, as without the overlap: prompts sent early for reservations that then failed
-            # have left the queues by now (else admissions on the two sides could miss each other
-            # and refuse every request of a burst that the cluster could partly serve).
-            return await self._prefill(route, await landing_soon)
+        early = self.d.early
+        crowded = [url for url in full_urls if early.num_open(url)]
+        if len(full) == len(failed) and ask_again and (landing_soon is not None or crowded):
+            # Every queue was full, with early prompts of this proxy in it or while the decode node
+            # reserved. Once reserved, and once the early prompts those queues held have settled
+            # (landed, or dropped with their failed reservations and aborted), ask again with the
+            # landing: else admissions on the two sides could miss each other and refuse every
+            # request of a burst that the cluster could partly serve.
+            mark = early.last()
+            if landing_soon is not None:
+                landing = await landing_soon
+            for url in crowded:
+                await early.settled(url, mark)
+            return await self._prefill(route, landing, ask_again=False)
         if len(full) == len(failed):  # every prefill node's queue is full: the client may retry
             raise ProxyError(
                 429, "every prefill node's queue is full: " + "; ".join(failed), retry_after=max(full)
@@ -708,6 +730,8 @@ class Generation:
         reply is the answer; leaving early cancels the call (the node aborts)."""
         sent = asyncio.get_running_loop().create_future()
         call = asyncio.ensure_future(node.client.prefill(msg, timeout=None, sent=sent))
+        ticket = self.d.early.open(node.url)
+        handed = False  # to ``_abort_pending_prefill``: settled once the node has the abort
         try:
             # Not ``asyncio.gather``: cancelling it would cancel ``landing_soon``, which the next
             # prefill node (after a refusal here) still waits for.
@@ -724,8 +748,14 @@ class Generation:
                     if exc.unreachable:
                         raise
                     # The node ends the prefill with the reason (or already did): its answer says it.
+                self.d.early.settle(ticket)  # landed: an ordinary prefill from now on
             return await call
         except BaseException:
+            if not call.done():  # left early: the node holds the prompt until it has the abort
+                self._early_ticket, handed = ticket, True
             call.cancel()
             await asyncio.gather(call, return_exceptions=True)
             raise
+        finally:
+            if not handed:
+                self.d.early.settle(ticket)

@@ -63,13 +63,25 @@ def _bench(base_url: str, out: Path, *flags: str, expect_rc: int = 0) -> dict:
         *flags,
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == expect_rc, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    if proc.returncode != expect_rc:
+        failed = _errors(json.loads(out.read_text())) if out.exists() else []
+        raise AssertionError(f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}\nerrors: {failed}")
     return json.loads(out.read_text())
+
+
+def _errors(result: dict) -> list[str]:
+    """What the failed requests of a run said (with when they started and how long they took)."""
+    return [
+        f"{r['error']} (started at {r.get('start_s', 0):.2f} s, after {r.get('e2e_s') or 0:.2f} s)"
+        for run in result["runs"]
+        for r in run["requests"]
+        if r.get("error")
+    ]
 
 
 def _check_against_metrics(run: dict, delta: dict, num_requests: int) -> None:
     proxy = delta["proxy"]
-    assert run["num_requests"] == run["num_completed"] == num_requests
+    assert run["num_requests"] == run["num_completed"] == num_requests, _errors({"runs": [run]})
     assert run["num_failed"] == 0 and run["num_usage_reported"] == num_requests
     assert proxy['pdserve_requests_total{status="200"}'] == num_requests
     assert proxy["pdserve_time_to_first_token_seconds_count"] == num_requests

@@ -324,6 +324,116 @@ def test_an_early_prefill_refused_by_full_queues_is_asked_again_once_reserved():
     assert decided == ["remote_prefill"]
 
 
+def test_a_reserved_request_waits_for_the_early_prompts_that_filled_the_queue():
+    """A prefill queue of one place: r1's prompt went out early and holds it while r1's decode node
+    reserves; r0's early prompt finds the queue full. r0 is reserved first and asks again, but r1's
+    prompt is still queued (its reservation is refused only later). r0 waits until r1's early prompt
+    has settled (dropped, and its abort answered by the node) and then gets the place: a burst is
+    not refused whole because the proxy's own early prompts filled the queue (the race that made
+    every request of a burst answer 429 on a slow machine)."""
+    from pdserve.messages import LandingDescriptor
+    from pdserve.metrics import Registry
+    from pdserve.proxy.channel import NodeError
+    from pdserve.proxy.dispatch import Dispatcher
+    from pdserve.proxy.protocol import ProxyError
+    from pdserve.sampling_params import SamplingParams
+
+    r = router([info("prefill")], [info("decode", node_id="d0")])
+    decode_node, prefill_node = r.decode[0], r.prefill[0]
+    decode_node.load = NodeLoad(0, 0, 0, 100, 100, 0)  # room: prompts go out early
+    queue: set[str] = set()  # the prefill node's one place
+    events: list[str] = []
+
+    async def reserve(msg, timeout=None):
+        if msg.request_id == "r1":
+            await asyncio.sleep(0.15)  # refused after r0 was reserved and asked again
+            raise NodeError(decode_node.url, "no free blocks", 429, retry_after=1.0)
+        await asyncio.sleep(0.05)
+        return LandingDescriptor(msg.request_id, "d0", "tcp://127.0.0.1:1", list(range(4)), 64, 1e12)
+
+    async def prefill(msg, timeout=None, sent=None):
+        if queue:
+            events.append(f"{msg.request_id} refused")
+            raise NodeError(prefill_node.url, "the node already queues 1 requests", 429, retry_after=1.0)
+        queue.add(msg.request_id)
+        events.append(f"{msg.request_id} queued{' with its landing' if msg.landing else ''}")
+        if sent is not None:
+            sent.set_result(None)
+        if msg.landing is not None:
+            raise NodeError(prefill_node.url, "bad request", 400)  # ends r0's attempt: enough here
+        await asyncio.sleep(3600)  # waits for a landing that never comes (r1)
+
+    async def abort(request_id, timeout=5.0):
+        await asyncio.sleep(0.02)  # the node's core lets the prompt go, then answers
+        queue.discard(request_id)
+        events.append(f"{request_id} aborted")
+
+    class _Stream:
+        async def __aenter__(self):
+            return self
+
+        async def __aexit__(self, *exc):
+            return False
+
+    decode_node.client.reserve = reserve
+    decode_node.client.stream = lambda *a, **k: _Stream()
+    decode_node.client.abort = lambda *a, **k: asyncio.sleep(0)
+    prefill_node.client.prefill = prefill
+    prefill_node.client.abort = abort
+    d = Dispatcher(r, Registry(), overlap_reserve=True, admission_wait_s=0)
+
+    async def main() -> None:
+        first = d.start("r1", list(range(64)), SamplingParams(max_tokens=2), 1e9)
+        await asyncio.sleep(0.01)
+        second = d.start("r0", list(range(100, 164)), SamplingParams(max_tokens=2), 1e9)
+        with pytest.raises(ProxyError) as refused:
+            await first.next()
+        assert refused.value.status == 429
+        with pytest.raises(ProxyError, match="bad request"):
+            await second.next()
+        await asyncio.sleep(0.05)
+
+    asyncio.run(main())
+    assert events == ["r1 queued", "r0 refused", "r1 aborted", "r0 queued with its landing"]
+    assert d.early.num_open(prefill_node.url) == 0
+
+
+def test_early_prefill_tickets_settle_in_any_order():
+    """``settled(url, mark)`` returns once the tickets of that node opened up to the mark have
+    settled, whatever came after; settling twice is harmless."""
+    from pdserve.proxy.early_prefills import EarlyPrefills
+
+    early = EarlyPrefills()
+
+    async def main() -> list[str]:
+        done: list[str] = []
+        a, b = early.open("p0"), early.open("p0")
+        other = early.open("p1")
+        mark = early.last()
+        later = early.open("p0")
+        waiter = asyncio.ensure_future(early.settled("p0", mark))
+        waiter.add_done_callback(lambda _: done.append("p0 up to the mark"))
+        await asyncio.sleep(0)
+        early.settle(b)
+        early.settle(other)
+        await asyncio.sleep(0)
+        assert not done
+        early.settle(a)
+        early.settle(a)
+        await asyncio.wait_for(waiter, 1)
+        assert done and early.num_open("p0") == 1  # ``later`` is still open
+        await early.settled("p1", mark)  # nothing open there: at once
+        cancelled = asyncio.ensure_future(early.settled("p0", early.last()))
+        await asyncio.sleep(0)
+        cancelled.cancel()
+        await asyncio.gather(cancelled, return_exceptions=True)
+        early.settle(later)
+        return done
+
+    assert asyncio.run(main()) == ["p0 up to the mark"]
+    assert early.num_open("p0") == 0
+
+
 @pytest.mark.parametrize("how", ["reservation_failed", "decode_computes", "request_ended"])
 def test_an_early_prefill_dropped_before_its_landing_is_counted_by_why(how):
     """The prompt went to the prefill node while the decode node reserved; the reservation then
