@@ -142,7 +142,7 @@ class ReservationTable:
             r.error = "lease expired before the KV arrived"
         elif not 0 <= layer_start < layer_end <= self.num_layers:
             r.error = f"layer range [{layer_start}, {layer_end}) outside [0, {self.num_layers})"
-        elif not block_ids or (list(block_ids) != r.block_ids and not set(block_ids) <= r.allowed):
+        elif not block_ids or (not _same(block_ids, r.block_ids) and not set(block_ids) <= r.allowed):
             # (A send of the whole reservation in its order, the usual one, is compared in C.)
             r.error = f"block ids {list(block_ids)[:8]} are not all reserved for {request_id!r}"
         else:
@@ -505,6 +505,13 @@ def num_regions(
 def slab_bytes(kv: torch.Tensor) -> int:
     """Bytes of one (layer, block) slab ``[2, BS, Hkv, D]`` of a cache ``[L, NB, 2, BS, Hkv, D]``."""
     return kv[0, 0].numel() * kv.element_size()
+
+
+def _same(block_ids: Sequence[int], reserved: list[int]) -> bool:
+    """``block_ids`` is ``reserved`` in its order (a list copied only when the lengths agree)."""
+    if len(block_ids) != len(reserved):
+        return False
+    return (block_ids if isinstance(block_ids, list) else list(block_ids)) == reserved
 
 
 def consecutive(block_ids: Sequence[int]) -> bool:

@@ -259,22 +259,37 @@ def _best(times: list[float]) -> float:
     return min(times[1:])
 
 
-def _time_send(remote, sender, address, shape, n: int, rid: str, src_ids=None) -> float:
-    """One pdserve send of ``n`` blocks into reserved blocks 0..n-1, from ``KVSender.send`` to the ack.
-    The blocks were written long before (``written``, as a prompt's last send after its first
-    token was read back)."""
+def _timed_send(sender, address, info, rid: str, src_ids, dst_ids, timeout: float) -> float:
+    """One send with its commit, timed from ``KVSender.send`` to its outcome (the decode node's ack)
+    reaching the sender: stamped by a callback on the thread that resolves the send's future, the
+    sender's peer thread, which is where the prefill node takes the outcome (it never blocks on
+    ``result()``). The caller's own wake-up after that, a benchmark's cost only, is left out (the
+    breakdown times it: "sender: ack to the caller, woken by the future")."""
     from pdserve.kv_transfer.messages import KVCommit
 
+    stamped = threading.Event()
+    at = [0.0]
+
+    def stamp(_) -> None:
+        at[0] = time.perf_counter()
+        stamped.set()
+
+    start = time.perf_counter()
+    fut = sender.send(address, info, rid, src_ids, dst_ids, KVCommit(rid, 0), timeout, written=True)
+    fut.add_done_callback(stamp)
+    ack = fut.result()
+    stamped.wait()
+    assert ack.ok, ack.error
+    return at[0] - start
+
+
+def _time_send(remote, sender, address, shape, n: int, rid: str, src_ids=None) -> float:
+    """One pdserve send of ``n`` blocks into reserved blocks 0..n-1 (``_timed_send``). The blocks
+    were written long before (``written``, as a prompt's last send after its first token was read
+    back)."""
     src_ids = range(n) if src_ids is None else src_ids
     remote.call("reserve", (rid, n))
-    start = time.perf_counter()
-    ack = sender.send(
-        address, _info("bench-prefill", shape), rid, src_ids, range(n), KVCommit(rid, 0), 120, written=True
-    )
-    ack = ack.result()
-    seconds = time.perf_counter() - start
-    assert ack.ok, ack.error
-    return seconds
+    return _timed_send(sender, address, _info("bench-prefill", shape), rid, src_ids, range(n), 120)
 
 
 def _raw_nccl(remote, flat: torch.Tensor, nbytes: int, device: str) -> float:
@@ -329,11 +344,10 @@ def _p50_p90_us(seconds: list[float]) -> dict:
 
 
 def _fixed_cost_us(remote, sender, address, shape, count: int, tag: str, gap_s: float = 0.0) -> dict:
-    """The fixed cost of a send: one block from ``KVSender.send`` to the decode side's ack, ``count``
-    times in a row (after 10 to warm up), each ``gap_s`` after the last one ended (a sporadic send:
-    the threads it wakes have gone idle); p50 and p90 in microseconds."""
-    from pdserve.kv_transfer.messages import KVCommit
-
+    """The fixed cost of a send: one block from ``KVSender.send`` to the decode side's ack taken on
+    the sender (``_timed_send``), ``count`` times in a row (after 10 to warm up), each ``gap_s``
+    after the last one ended (a sporadic send: the threads it wakes have gone idle); p50 and p90 in
+    microseconds."""
     rids = [f"{tag}-one-{gap_s}-{i}" for i in range(count + 10)]
     remote.call("reserve_many", (rids, [0]))
     info = _info("bench-prefill", shape)
@@ -341,10 +355,7 @@ def _fixed_cost_us(remote, sender, address, shape, count: int, tag: str, gap_s: 
     for rid in rids:
         if gap_s:
             time.sleep(gap_s)
-        start = time.perf_counter()
-        ack = sender.send(address, info, rid, [0], [0], KVCommit(rid, 0), 30, written=True).result()
-        times.append(time.perf_counter() - start)
-        assert ack.ok, ack.error
+        times.append(_timed_send(sender, address, info, rid, [0], [0], 30))
     remote.call("release_many", rids)
     return _p50_p90_us(times[10:])
 
@@ -374,9 +385,10 @@ def _raw_round_trip_us(remote, count: int, gap_s: float = 0.0) -> dict:
     """The anchor of a send's fixed cost: the same thread hops with nothing else, ``count`` times in
     a row (after 10 to warm up). The caller hands a message to a thread of its own (a queue), which
     sends it on a DEALER socket and waits for the answer (``poll``), from the receiver process's
-    thread (``zmq_echo``), then resolves a Future the caller waits on. What a one-block send costs
-    beyond this is pdserve's protocol; this itself is the host's (thread wake-ups, loopback TCP).
-    ``gap_s``: idle time before each, as ``_fixed_cost_us``."""
+    thread (``zmq_echo``), then resolves a Future the caller waits on; timed to that moment, as a
+    send is (``_timed_send``). What a one-block send costs beyond this is pdserve's protocol; this
+    itself is the host's (thread wake-ups, loopback TCP). ``gap_s``: idle time before each, as
+    ``_fixed_cost_us``."""
     import queue
     from concurrent.futures import Future
 
@@ -393,7 +405,7 @@ def _raw_round_trip_us(remote, count: int, gap_s: float = 0.0) -> dict:
             while not sock.poll(1):
                 pass
             sock.recv_multipart(copy=False)
-            fut.set_result(None)
+            fut.set_result(time.perf_counter())
 
     thread = threading.Thread(target=worker, name="raw-round-trip", daemon=True)
     thread.start()
@@ -404,8 +416,7 @@ def _raw_round_trip_us(remote, count: int, gap_s: float = 0.0) -> dict:
         start = time.perf_counter()
         fut: Future = Future()
         jobs.put(fut)
-        fut.result()
-        times.append(time.perf_counter() - start)
+        times.append(fut.result() - start)
     jobs.put(None)
     thread.join()
     sock.close()
@@ -426,10 +437,12 @@ BREAKDOWN = (
 
 WHOLE = (
     ("send", "ack_out", "send to the commit on the receiver (what TTFT waits for)"),
-    ("send", "done", "the whole send"),
+    ("send", "outcome", "send to its outcome on the sender's peer thread (what is timed)"),
+    ("send", "done", "the whole send, to the caller's wake-up"),
 )
 """Spans of several steps: the decode node starts the request at its commit; the ack after it only
-tells the prefill node that its blocks are free."""
+tells the prefill node that its blocks are free, in a callback on the sender's peer thread (the
+outcome: what ``_timed_send`` times); a caller blocked on the future wakes after that."""
 
 
 class _Probe:
@@ -527,10 +540,14 @@ def _breakdown_us(remote, sender, address, shape, count: int, tag: str, src_ids=
     probe = _Probe("sender")
     try:
         for rid in rids:
-            ack = sender.send(
-                address, info, rid, list(src_ids), dst_ids, KVCommit(rid, 0), 30, written=True
-            ).result()
+            fut = sender.send(address, info, rid, list(src_ids), dst_ids, KVCommit(rid, 0), 30, written=True)
+            outcome: list[float] = []
+            fut.add_done_callback(lambda _, outcome=outcome: outcome.append(time.perf_counter()))
+            ack = fut.result()
             probe.stamps[rid]["done"] = time.perf_counter()
+            while not outcome:  # the callback runs right after the future wakes this thread
+                time.sleep(0)
+            probe.stamps[rid]["outcome"] = outcome[0]
             assert ack.ok, ack.error
     finally:
         ours = probe.close()
@@ -846,7 +863,10 @@ def run(args: argparse.Namespace) -> dict:
         "what": "pdserve_<t>: time from KVSender.send (for staged nccl, copying the blocks out of the cache "
         "included, for zmq gathering those it does not send in place; nixl READs them in place, direct "
         "nccl sends them in place) to the decode "
-        "side's ack after every block landed in its reserved slots, through transport t, blocks 0..n-1 "
+        "side's ack after every block landed in its reserved slots taken on the sender (stamped in a "
+        "callback on the thread that resolves the send's future, where the prefill node takes it; a "
+        "caller blocked on result() wakes later: the breakdown times that), through transport t, "
+        "blocks 0..n-1 "
         "into reserved blocks 0..n-1 (runs consecutive in both caches); pdserve_<t>_shuffled: the "
         "source blocks in a shuffled order (no two consecutive); pdserve_nccl_direct / _staged: nccl "
         "forced to one of its two ways (pdserve_nccl: the one it picks, NcclOptions.direct_min_run_bytes); "
@@ -871,10 +891,12 @@ def run(args: argparse.Namespace) -> dict:
         "first in an order of its own (shuffled, seeded by the size); with burst > 1 each way's turn "
         "is that many runs in a row, each timed (all of them count for best and median). "
         "one_block_send_us: the fixed cost of a send, one block from KVSender.send to "
-        "the ack, p50 and p90 of one_block_count sends in a row; raw_round_trip_us, its anchor: the same "
+        "the ack taken on the sender (as above), p50 and p90 of one_block_count sends in a row; "
+        "raw_round_trip_us, its anchor: the same "
         "thread hops with nothing else (the caller hands a message to a thread, which sends it on a "
         "DEALER socket and polls for the answer of a thread in the receiver process, then resolves a "
-        "Future the caller waits on), as many times in a row: what the host costs (thread wake-ups, "
+        "Future the caller waits on, timed to that moment), as many times in a row: what the host "
+        "costs (thread wake-ups, "
         "loopback TCP); one_block_breakdown_us (--breakdown): "
         "the same sends again, time-stamped at each step of the protocol in both processes (by "
         "wrapping the methods that reach it, ~1-2 us a stamp), p50 and p90 of each step; "
