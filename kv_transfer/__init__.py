@@ -62,10 +62,10 @@ transport means one new file (``<name>_backend.py``: its options, its two planes
 messages in ``messages``, the one home of the wire, if it needs any).
 
 Modules: ``base`` (the two halves' interfaces, ``ReservationTable``, the caches' ``KVLayout`` and
-the regions a send moves, block helpers), ``control``
-(the control host: ``ControlSender``, ``ControlReceiver``), ``plane`` (the plane interfaces and
-``TransportPlugin``), ``messages``, ``zmq_backend``, ``nixl_backend`` (with ``staging``, its
-packing slots) and ``nccl_backend``.
+the regions a send moves, block helpers), ``control`` (the control host's protocol) with its two
+ends ``control_sender`` (``ControlSender``) and ``control_receiver`` (``ControlReceiver``),
+``plane`` (the plane interfaces and ``TransportPlugin``), ``messages``, ``zmq_backend``,
+``nixl_backend`` (with ``staging``, its packing slots) and ``nccl_backend``.
 
 A node is configured with ``auto``, one name, or a comma-separated order of preference. A
 sender offers its list at set-up and the receiver takes the first one it accepts too, so two
@@ -89,7 +89,8 @@ from pdserve.kv_transfer.base import (
     ReservationTable,
     check_compatible,
 )
-from pdserve.kv_transfer.control import ControlReceiver, ControlSender
+from pdserve.kv_transfer.control_receiver import ControlReceiver
+from pdserve.kv_transfer.control_sender import ControlSender
 from pdserve.kv_transfer.nccl_backend import NcclOptions
 from pdserve.kv_transfer.nixl_backend import NixlOptions
 from pdserve.kv_transfer.plane import TransportPlugin

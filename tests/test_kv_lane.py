@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from pdserve import kv_transfer
-from pdserve.kv_transfer import KVTransferError, control
+from pdserve.kv_transfer import KVTransferError, control_receiver, control_sender
 from pdserve.kv_transfer.base import ReservationTable
 from pdserve.kv_transfer.lane import FrameReader, LaneClosed, SenderLane, frame
 from pdserve.kv_transfer.messages import KVHandshake, KVLane, KVLaneReply
@@ -76,10 +76,10 @@ def test_a_nixl_session_moves_its_messages_onto_the_lane(pair, monkeypatch):
     """After the handshake and set-up, nothing more comes on the control connection: the sends,
     their commits and acks all go over the lane."""
     on_control = []
-    handle = control.ControlReceiver._handle
-    monkeypatch.setattr(
-        control.ControlReceiver, "_handle", lambda self, *a: (on_control.append(1), handle(self, *a))[1]
-    )
+    receiver_class = control_receiver.ControlReceiver
+    handle = receiver_class._handle
+    counted = lambda self, *a: (on_control.append(1), handle(self, *a))[1]  # noqa: E731
+    monkeypatch.setattr(receiver_class, "_handle", counted)
     peer = pair.sender._peers[pair.address]
     assert peer.lane is not None
     (conn,) = _conns(pair).values()
@@ -115,8 +115,8 @@ def _closed(sock: socket.socket, timeout: float = 5.0) -> bool:
 
 @nixl_only
 def test_the_lane_port_takes_only_a_lane_that_presents_its_token_first(pair, monkeypatch):
-    monkeypatch.setattr(control, "LANE_TOKEN_S", 0.3)
-    monkeypatch.setattr(control, "MAX_PENDING_LANES", 3)
+    monkeypatch.setattr(control_receiver, "LANE_TOKEN_S", 0.3)
+    monkeypatch.setattr(control_receiver, "MAX_PENDING_LANES", 3)
     refused = pair.receiver.num_refused
     # A token nobody was given: refused, then closed.
     wrong = _raw_lane(pair)
@@ -180,7 +180,7 @@ def test_a_sender_that_cannot_reach_the_lane_port_keeps_the_session_on_the_contr
         pair.receiver._lane_port = closed.getsockname()[1]  # nobody listens there
         pair.receiver._lane_path = "pdserve-kv-lane-on-another-host"  # nor is this socket here
         closed.close()
-        with caplog.at_level(logging.WARNING, logger="pdserve.kv_transfer.control"):
+        with caplog.at_level(logging.WARNING, logger="pdserve.kv_transfer.control_sender"):
             pair.sender.handshake(pair.address, info("prefill", SMALL), 10)
         assert "stays on its control connection" in caplog.text
         assert pair.sender._peers[pair.address].lane is None
@@ -208,13 +208,13 @@ def test_a_last_send_of_written_blocks_goes_out_on_the_callers_thread(packed, mo
         monkeypatch.setattr(SenderLane, "send", lambda self, *a: (by.append("peer"), send(self, *a))[1])
         me = threading.get_ident()
         posted_on = []
-        send_now = control._Peer._send_now
+        send_now = control_sender._Peer._send_now
 
         def recording_send_now(self, job):
             posted_on.append(threading.get_ident())
             send_now(self, job)
 
-        monkeypatch.setattr(control._Peer, "_send_now", recording_send_now)
+        monkeypatch.setattr(control_sender._Peer, "_send_now", recording_send_now)
         _send_ok(pair, "now", [1, 2], [3, 4])
         pair.table.add("parts", [5, 6, 7], time.time() + 30)
         assert pair.send("parts", [8], [5], commit=False).result() is None

@@ -20,7 +20,7 @@ import torch
 
 from pdserve import kv_transfer
 from pdserve.kv_transfer import KVHandshakeRefused, KVRefused, KVTransferError, ReservationTable
-from pdserve.kv_transfer.control import _Job
+from pdserve.kv_transfer.control_sender import _Job
 from pdserve.kv_transfer.messages import KVCommit, KVRenew, KVSetupReply
 from pdserve.messages import NodeInfo
 

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from pdserve import kv_transfer
-from pdserve.kv_transfer import control
+from pdserve.kv_transfer import control_receiver
 from pdserve.kv_transfer.base import ReservationTable
 from pdserve.utils import TIMER_SLACK_NS, precise_sleeps
 from tests.test_kv_transfer_nixl import SMALL, cache, info
@@ -39,7 +39,8 @@ def test_precise_sleeps_sets_the_calling_threads_slack_only():
 
 def test_the_kv_receivers_control_thread_makes_its_sleeps_precise(monkeypatch):
     callers: list[str] = []
-    monkeypatch.setattr(control, "precise_sleeps", lambda: callers.append(threading.current_thread().name))
+    record = lambda: callers.append(threading.current_thread().name)  # noqa: E731
+    monkeypatch.setattr(control_receiver, "precise_sleeps", record)
     receiver = kv_transfer.create_receiver("zmq")
     receiver.register_kv_cache(cache(SMALL, 4, fill=False))
     receiver.start(info("decode", SMALL), ReservationTable(SMALL[0]), lambda commit: None)

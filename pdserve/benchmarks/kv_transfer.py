@@ -450,35 +450,36 @@ class _Probe:
     that reach them (a microsecond or two each); ``close`` puts the methods back."""
 
     def __init__(self, side: str) -> None:
-        from pdserve.kv_transfer import control, nixl_backend, zmq_backend
+        from pdserve.kv_transfer import control_receiver, control_sender, nixl_backend, zmq_backend
+        from pdserve.kv_transfer.messages import KVAck, KVCommit
 
         self.stamps: dict[str, dict[str, float]] = {}
         self._undo: list = []
         self.current: str | None = None  # the request of the job the peer thread runs
         host, nixl, zmq_ = (
-            control.ControlReceiver,
+            control_receiver.ControlReceiver,
             nixl_backend.NixlReceiverPlane,
             zmq_backend.ZmqReceiverPlane,
         )
-        data = lambda a, r: a[1].request_id if not isinstance(a[1], control.KVCommit) else None  # noqa: E731
+        data = lambda a, r: a[1].request_id if not isinstance(a[1], KVCommit) else None  # noqa: E731
         if side == "receiver":
             for plane in (nixl, zmq_):
                 self._wrap(plane, "handle", "data_in", data, first=True)
             self._wrap(zmq_, "handle", "landed", data, at_exit=True)
             self._wrap(nixl, "_end", "landed", lambda a, r: a[1].request_id)
             self._wrap(host, "_commit", "ack_out", lambda a, r: a[0].request_id, at_exit=True)
-            acked = lambda a, r: a[1].request_id if isinstance(a[1], control.KVAck) else None  # noqa: E731
-            self._wrap(control._Outbox, "put", "ack_out", acked)
+            acked = lambda a, r: a[1].request_id if isinstance(a[1], KVAck) else None  # noqa: E731
+            self._wrap(control_receiver._Outbox, "put", "ack_out", acked)
         else:
-            self._wrap(control.ControlSender, "send", "send", lambda a, r: a[2])
-            self._wrap(control._Peer, "_do", "picked", self._job)
+            self._wrap(control_sender.ControlSender, "send", "send", lambda a, r: a[2])
+            self._wrap(control_sender._Peer, "_do", "picked", self._job)
             # A send the engine's thread puts on the lane itself (``_Peer.submit``) goes out there.
-            self._wrap(control._Peer, "_send_now", "direct", self._job)
+            self._wrap(control_sender._Peer, "_send_now", "direct", self._job)
             # The first message a job puts on the connection, as it starts (the thread may well be
             # preempted by the process it wakes before the call returns).
-            self._wrap(control._Peer, "send", "data_out", lambda a, r: self.current, first=True)
-            ack = lambda a, r: r.request_id if isinstance(r, control.KVAck) else None  # noqa: E731
-            self._wrap(control._Peer, "recv", "ack_in", ack, at_exit=True)
+            self._wrap(control_sender._Peer, "send", "data_out", lambda a, r: self.current, first=True)
+            ack = lambda a, r: r.request_id if isinstance(r, KVAck) else None  # noqa: E731
+            self._wrap(control_sender._Peer, "recv", "ack_in", ack, at_exit=True)
 
     def _job(self, args, result) -> str | None:
         self.current = args[0].request_id or None
