@@ -65,6 +65,23 @@ def test_step_time_shapes():
     assert cal.decode_share(256) == cal.decode_share(64)
 
 
+def test_a_mixed_step_pays_its_chunks_matmuls_and_its_decode_rows_reads_in_turn():
+    """Matmuls and attention are kernels of their own, each bound by its own resource: a decode
+    step is its weights and contexts over the bandwidth (one roofline, as calibrated), and decode
+    rows added to a compute-bound prefill chunk add at least their context reads to its time (a
+    single roofline for the whole step had them ride free under the chunk's arithmetic)."""
+    model = StepTimeModel(_arch(), 2, PRESETS["h100"])
+    cal = PRESETS["h100"]
+    rows = [(1499, 1, True)] * 32
+    kv_bytes = 32 * 1500 * model.kv_bytes_per_token
+    assert model.step_seconds(rows) == pytest.approx(
+        (model.weight_bytes + kv_bytes) / (cal.hbm_gbps * 1e9 * cal.decode_share(32))
+    )
+    chunk = (0, 1024, True)
+    reads = kv_bytes / (cal.hbm_gbps * 1e9 * cal.decode_share(33))
+    assert model.step_seconds([chunk, *rows]) - model.step_seconds([chunk]) >= reads
+
+
 def test_user_calibration_from_a_gpu_engine_json(tmp_path):
     mine = dict(H100, hbm_copy_gbps=H100["hbm_copy_gbps"] * 2)
     path = tmp_path / "mine.json"

@@ -1,19 +1,26 @@
 """How long one engine step takes on a simulated GPU: a roofline at the engine's measured efficiency.
 
 A step runs a batch of rows; row i computes ``q_i`` tokens of a sequence whose first ``s_i`` tokens
-are already in the KV cache (a decode row: ``q = 1``; a prefill chunk: ``q`` prompt tokens). Two
-bounds, and the step takes the larger (a step is either bandwidth- or compute-bound):
+are already in the KV cache (a decode row: ``q = 1``; a prefill chunk: ``q`` prompt tokens). It runs
+two kinds of kernels one after the other, each bound by its own resource, so the step takes the sum
+of two rooflines:
 
-* memory: ``weight bytes + sum_i (s_i + q_i) x KV bytes per token`` (weights read once, every
-  row's context read by attention) over ``hbm_gbps x decode_share(rows)``;
-* compute: ``2 x layer params x sum_i q_i`` (the matmuls) ``+ 4 x layers x heads x head_dim x
-  sum_i q_i (s_i + q_i / 2)`` (causal QK^T and PV) ``+ 2 x vocab x hidden`` per sampled row
-  (the LM head) over ``matmul_tflops x prefill_efficiency``.
+* the matmuls (projections, MLP, LM head): the larger of reading the weights once, ``weight
+  bytes`` over ``hbm_gbps x decode_share(rows)``, and their arithmetic, ``2 x layer params x sum_i
+  q_i + 2 x vocab x hidden`` per sampled row, over ``matmul_tflops x prefill_efficiency``;
+* attention: the larger of reading every row's context, ``sum_i (s_i + q_i) x KV bytes per token``
+  over the same bandwidth, and its arithmetic, ``4 x layers x heads x head_dim x sum_i q_i (s_i +
+  q_i / 2)`` (causal QK^T and PV), over the same throughput.
 
-These are exactly the rooflines ``pdserve.benchmarks.gpu_engine`` divides by to report its
-efficiencies (``calibration``), so a decode step at a measured batch size and context, or the
-measured 2048-token prefill, takes the time the GPU took; chunked and mixed steps, other shapes
-and other batch sizes follow the same rooflines.
+A pure decode step is bandwidth-bound in both (weights + contexts over the bandwidth) and a long
+prefill compute-bound in both (all its FLOPs over the throughput): exactly the rooflines
+``pdserve.benchmarks.gpu_engine`` divides by to report its efficiencies (``calibration``), so a
+decode step at a measured batch size and context, or the measured 2048-token prefill, takes the
+time the GPU took. A mixed step pays its prefill chunk's matmuls and its decode rows' context
+reads in turn: a model with one roofline for the whole step hid the reads under the chunk's
+arithmetic, and had co-located replicas on shared prefixes stream at a TPOT p50 of 11.7 ms where
+the GPUs took 21.1 (docs/benchmarks/README.md). Chunked steps, other shapes and batch sizes follow
+the same rooflines.
 """
 
 from __future__ import annotations
@@ -65,15 +72,16 @@ class StepTimeModel:
             samples += sample
         if not num_rows:
             return 0.0
-        memory = (self.weight_bytes + context * self.kv_bytes_per_token) / (
-            self._bytes_per_s * self.calibration.decode_share(num_rows)
+        bytes_per_s = self._bytes_per_s * self.calibration.decode_share(num_rows)
+        matmuls = max(
+            self.weight_bytes / bytes_per_s,
+            (self._matmul_flops_per_token * tokens + self._lm_head_flops * samples) / self._flops_per_s,
         )
-        flops = (
-            self._matmul_flops_per_token * tokens
-            + self._attention_flops * attention
-            + self._lm_head_flops * samples
+        attends = max(
+            context * self.kv_bytes_per_token / bytes_per_s,
+            self._attention_flops * attention / self._flops_per_s,
         )
-        return max(memory, flops / self._flops_per_s)
+        return matmuls + attends
 
     def decode_seconds(self, batch: int, context: int) -> float:
         """A pure decode step: ``batch`` rows each with ``context`` tokens in all."""
