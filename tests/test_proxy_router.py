@@ -201,6 +201,21 @@ def test_the_load_a_reply_carries_is_the_router_s_view_of_the_node_at_once():
     assert node.load_score == 6 and node.queued_prefill_tokens == 480 and node.free_block_fraction == 0.1
 
 
+class _Stream:
+    """A decode node's token stream that opens and says nothing (the tests end the request
+    another way)."""
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        return False
+
+
+def _open_stream(*args, **kwargs) -> _Stream:
+    return _Stream()
+
+
 def _four_failed_reservations(overlap: bool, free_blocks: int | None = None):
     """Four requests through a dispatcher whose two decode nodes (round-robin) refuse every
     reservation with a 400 after 10 ms, and whose prefill node takes prefills it never ends;
@@ -298,15 +313,8 @@ def test_an_early_prefill_refused_by_full_queues_is_asked_again_once_reserved():
             raise NodeError(prefill_node.url, "queue full", 429, retry_after=1.0)
         raise NodeError(prefill_node.url, "bad request", 400)  # ends the attempt: enough here
 
-    class _Stream:
-        async def __aenter__(self):
-            return self
-
-        async def __aexit__(self, *exc):
-            return False
-
     decode_node.client.reserve = reserve
-    decode_node.client.stream = lambda *a, **k: _Stream()
+    decode_node.client.stream = _open_stream
     decode_node.client.abort = prefill_node.client.abort = lambda *a, **k: asyncio.sleep(0)
     prefill_node.client.prefill = prefill
     d = Dispatcher(r, Registry(), overlap_reserve=True)
@@ -368,15 +376,8 @@ def test_a_reserved_request_waits_for_the_early_prompts_that_filled_the_queue():
         queue.discard(request_id)
         events.append(f"{request_id} aborted")
 
-    class _Stream:
-        async def __aenter__(self):
-            return self
-
-        async def __aexit__(self, *exc):
-            return False
-
     decode_node.client.reserve = reserve
-    decode_node.client.stream = lambda *a, **k: _Stream()
+    decode_node.client.stream = _open_stream
     decode_node.client.abort = lambda *a, **k: asyncio.sleep(0)
     prefill_node.client.prefill = prefill
     prefill_node.client.abort = abort
@@ -466,18 +467,11 @@ def test_an_early_prefill_dropped_before_its_landing_is_counted_by_why(how):
         prefill_started.set()
         await asyncio.sleep(10)  # computing, then waiting for its landing
 
-    class _Stream:
-        async def __aenter__(self):
-            return self
-
-        async def __aexit__(self, *exc):
-            return False
-
     async def abort(*a, **k):
         aborted.append(a[0] if a else "")
 
     decode_node.client.reserve = reserve
-    decode_node.client.stream = lambda *a, **k: _Stream()
+    decode_node.client.stream = _open_stream
     decode_node.client.abort = lambda *a, **k: asyncio.sleep(0)
     prefill_node.client.abort = abort
     prefill_node.client.prefill = prefill
