@@ -70,7 +70,7 @@ class WarnLimiter:
         self._count = 0
         self._lock = threading.Lock()
 
-    def warning(self, fmt: str, *args) -> None:
+    def warning(self, fmt: str, *args, exc_info: bool = False) -> None:
         with self._lock:
             now = time.monotonic()
             if now - self._start > self.window_s:
@@ -80,7 +80,7 @@ class WarnLimiter:
             self._count += 1
             if self._count > self.burst:
                 return
-        logger.warning(fmt, *args)
+        logger.warning(fmt, *args, exc_info=exc_info)
 
 
 def _short(request_id: str) -> str:
@@ -409,8 +409,7 @@ class ControlReceiver(KVReceiver):
         try:
             reply = self._dispatch(lane.peer, conn, msg, (), table, on_commit)
         except Exception as e:  # a bad message must never take the node down
-            self._refused("dropping a KV message on a lane: %s", e)
-            reply = None
+            reply = self._failed(msg, e, table)
         if reply is not None:
             self._send_to(lane.peer, encode(reply))
 
@@ -490,7 +489,17 @@ class ControlReceiver(KVReceiver):
                 return KVHandshakeReply(ok=False, error=error, info=info)
             self._conns[peer] = _Conn(fd)
             return KVHandshakeReply(ok=True, info=info)
-        return self._dispatch(peer, conn, msg, frames[1:], table, on_commit)
+        try:
+            return self._dispatch(peer, conn, msg, frames[1:], table, on_commit)
+        except Exception as e:
+            return self._failed(msg, e, table) if conn is not None else None
+
+    def _failed(self, msg: KVMessage, e: Exception, table: ReservationTable) -> KVMessage | None:
+        """A message of a peer past its handshake whose handling raised (a fault here, not the
+        peer's): the request it names fails now, and its sender gets the refusal it waits for
+        instead of waiting out its timeout with the decode node's lease."""
+        self._warn.warning("KV receiver: handling %s failed", type(msg).__name__, exc_info=True)
+        return self._refuse(msg, f"the decode node failed on it: {type(e).__name__}: {e}", table)
 
     def _dispatch(self, peer: bytes, conn: _Conn | None, msg: KVMessage, payload, table, on_commit):
         """A message after the handshake, from the control connection or the lane."""

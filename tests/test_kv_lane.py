@@ -72,6 +72,29 @@ def pair(request):
 
 
 @nixl_only
+def test_a_fault_while_taking_a_lane_message_answers_at_once(pair, monkeypatch):
+    """As on the control connection: the nixl plane raises on a READ offer that came on the lane;
+    its sender hears why at once, and the lane carries the next send."""
+    from pdserve.kv_transfer import nixl_backend
+
+    handle = nixl_backend.NixlReceiverPlane.handle
+
+    def faulty(self, peer, msg, payload):
+        if msg.request_id == "boom":
+            raise RuntimeError("a fault here")
+        return handle(self, peer, msg, payload)
+
+    monkeypatch.setattr(nixl_backend.NixlReceiverPlane, "handle", faulty)
+    pair.table.add("boom", [5], time.time() + 30)
+    started = time.monotonic()
+    with pytest.raises(KVTransferError, match="failed on it: RuntimeError: a fault here"):
+        pair.send("boom", [1], [5]).result()
+    assert time.monotonic() - started < 5
+    _send_ok(pair, "after", [2], [6])
+    assert pair.sender._peers[pair.address].lane is not None
+
+
+@nixl_only
 def test_a_nixl_session_moves_its_messages_onto_the_lane(pair, monkeypatch):
     """After the handshake and set-up, nothing more comes on the control connection: the sends,
     their commits and acks all go over the lane."""

@@ -71,6 +71,35 @@ def test_unreserved_blocks_and_expired_leases_are_refused(pair):
     assert table.expired() == ["r3"]
 
 
+def test_a_fault_while_taking_a_message_answers_at_once(pair, monkeypatch, caplog):
+    """The receiver's plane raises on a data message (a fault on the decode node, not the peer's
+    doing): the request fails at once, its sender hears why instead of waiting out its timeout
+    (the decode node's lease meanwhile), and the next send on the same connection goes through."""
+    from pdserve.kv_transfer import zmq_backend
+
+    _, dst, table, commits, sender, address = pair
+    handle = zmq_backend.ZmqReceiverPlane.handle
+
+    def faulty(self, peer, msg, payload):
+        if msg.request_id == "boom":
+            raise RuntimeError("a fault in the copy")
+        return handle(self, peer, msg, payload)
+
+    monkeypatch.setattr(zmq_backend.ZmqReceiverPlane, "handle", faulty)
+    table.add("boom", [3], time.time() + 10)
+    started = time.monotonic()
+    with caplog.at_level("WARNING", logger="pdserve.kv_transfer.control_receiver"):
+        fut = sender.send(address, info("p"), "boom", [0], [3], KVCommit("boom", 1), 10)
+        with pytest.raises(KVTransferError, match="failed on it: RuntimeError: a fault in the copy"):
+            fut.result()
+    assert time.monotonic() - started < 5  # not the send's 10 s timeout
+    assert "handling KVBlocks failed" in caplog.text and "a fault in the copy" in caplog.text
+    assert table.commit("boom") and commits == []  # failed: it never commits
+    table.add("ok", [4], time.time() + 10)
+    assert sender.send(address, info("p"), "ok", [1], [4], KVCommit("ok", 2), 10).result().ok
+    assert [c.request_id for c in commits] == ["ok"]
+
+
 def test_released_reservation_takes_no_writes(pair):
     _, dst, table, commits, sender, address = pair
     table.add("r4", [5], time.time() + 10)
