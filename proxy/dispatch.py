@@ -24,7 +24,9 @@ nodes, at most ``max_migrations`` times, under a node request id of its own
 attempt's prompt is the original prompt plus the tokens already streamed and its
 ``max_tokens``/``min_tokens`` are what is left, so the client sees one uninterrupted stream and
 greedy output equals an undisturbed run. (A seeded sampled request continues with a fresh
-generator; stop strings that straddle the cut are not seen.)
+generator; stop strings that straddle the cut are not seen.) A parallel-sampling request (``n`` or
+``best_of`` > 1) that had streamed tokens moves sequence by sequence: each one not yet ended goes on
+as a request of its own from its tokens so far, its events relayed under its index.
 """
 
 from __future__ import annotations
@@ -226,6 +228,7 @@ class Generation:
         prompt_token_ids: list[int],
         params: SamplingParams,
         deadline: float,
+        migrations: int = 0,
     ) -> None:
         self.d = dispatcher
         self.request_id = request_id
@@ -234,7 +237,9 @@ class Generation:
         self.deadline = deadline
         self.node_request_id = request_id  # this attempt's id on the nodes
         self.emitted: list[int] = []  # output tokens handed to the caller so far
-        self.migrations = 0
+        self.migrations = migrations  # times the request moved (its sequences' own requests count on)
+        self._by_index: dict[int, list[int]] = {}  # parallel sampling: tokens streamed per sequence
+        self._ended: set[int] = set()  # parallel sampling: sequences whose final event was streamed
         self.decode_node: NodeState | None = None
         self.prefill_node: NodeState | None = None
         self.prefill_result: PrefillResult | None = None
@@ -318,12 +323,9 @@ class Generation:
                 await self._attempt()
                 return
             except NodeDied as exc:
-                if self.emitted and self.params.num_sequences > 1:  # several sequences cannot resume
-                    raise ProxyError(
-                        503, f"{exc}; the request's sequences cannot move to other nodes"
-                    ) from None
+                several = self.params.num_sequences > 1 and bool(self.emitted)
                 limit = self.params.max_tokens
-                if limit is not None and len(self.emitted) >= limit:  # died after the last token
+                if not several and limit is not None and len(self.emitted) >= limit:  # after the last token
                     self.finished = True
                     n = len(self.prompt_token_ids)
                     self._put(
@@ -344,6 +346,65 @@ class Generation:
                     len(self.emitted),
                     exc,
                 )
+                if several:
+                    await self._resume_sequences()
+                    return
+
+    async def _resume_sequences(self) -> None:
+        """A parallel-sampling request whose node died mid-stream: each sequence not yet ended goes
+        on as a request of its own (the prompt and that sequence's tokens so far, its parameters as
+        ``SamplingParams.for_sequence`` gives them, what is left of its budget), routed afresh; their
+        events come out under the sequence's index, as one stream. Greedy sequences go on as if
+        unmoved; sampled ones with a fresh generator (seeded ``seed + index`` when the request was).
+        The first failure of one ends the request (the others are aborted)."""
+        p, n = self.params, len(self.prompt_token_ids)
+        loop = asyncio.get_running_loop()
+        self._stream_end = loop.create_future()
+        self._num_open = p.num_sequences - len(self._ended)
+        resumed: dict[int, Generation] = {}
+        for i in range(p.num_sequences):
+            if i in self._ended:
+                continue
+            done = self._by_index.get(i, [])
+            q = p.for_sequence(i)
+            if q.max_tokens is not None and len(done) >= q.max_tokens:  # died after its last token
+                self._deliver(
+                    TokenEvent(self.request_id, [], "", finish_reason="length", num_prompt_tokens=n, index=i)
+                )
+                continue
+            q = dataclasses.replace(
+                q,
+                max_tokens=None if q.max_tokens is None else q.max_tokens - len(done),
+                min_tokens=max(0, q.min_tokens - len(done)),
+                resumed_tokens=len(done),
+                prompt_logprobs=None,  # the client had them with the first events
+            )
+            rid = f"{self.request_id}-m{self.migrations}-s{i}"
+            resumed[i] = Generation(
+                self.d, rid, self.prompt_token_ids + done, q, self.deadline, self.migrations
+            )
+
+        async def relay(i: int, gen: Generation) -> None:
+            while (event := await gen.next()) is not None:
+                self._deliver(
+                    msgspec.structs.replace(
+                        event,
+                        request_id=self.request_id,
+                        index=i,
+                        num_prompt_tokens=n,
+                        num_cached_tokens=min(event.num_cached_tokens, n),
+                    )
+                )
+
+        relays = [asyncio.ensure_future(relay(i, gen)) for i, gen in resumed.items()]
+        try:
+            await asyncio.gather(*relays)
+        finally:
+            for gen in resumed.values():
+                gen.cancel()
+            for task in relays:
+                task.cancel()
+            await asyncio.gather(*relays, return_exceptions=True)
 
     @property
     def _wall_deadline(self) -> float:
@@ -541,6 +602,10 @@ class Generation:
 
     def _deliver(self, event: TokenEvent) -> None:
         self.emitted.extend(event.token_ids)
+        if self.params.num_sequences > 1:  # each sequence's own, should it have to move
+            self._by_index.setdefault(event.index, []).extend(event.token_ids)
+            if event.finish_reason is not None:
+                self._ended.add(event.index)
         self._put(event)
         if event.finish_reason is not None:
             self._num_open -= 1

@@ -46,7 +46,7 @@ def cluster(start_cluster):
     with start_cluster(
         ["--max-num-batched-tokens", "128"],
         prefill_nodes=2,
-        decode_nodes=2,
+        decode_nodes=3,  # one dies under the parallel-sampling request, one under the 8 streams
         routing="round-robin",  # spread the streams over both decode nodes
         redis_url="none",
         min_remote_prefill_tokens=0,
@@ -149,6 +149,57 @@ def _fill(url: str) -> list[str]:
             assert r.status in (429, 503), r
             size //= 2
     return ids
+
+
+def test_decode_node_killed_under_a_parallel_sampling_request_each_sequence_moves(cluster, reference):
+    """n = 2, greedy: the decode node dies while both sequences stream; each goes on from its own
+    tokens on another decode node, under its own index, and both end as the undisturbed answer."""
+    before = _migrations(cluster).get('pdserve_request_migrations_total{role="decode"}', 0.0)
+    victim, *others = _alive(cluster, "decode")
+    fillers = {node.url: _fill(node.url) for node in others}  # the request lands on the victim
+    texts, finished, errors = ["", ""], [None, None], []
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": PROMPTS[0]}],
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "n": 2,
+    }
+
+    def read() -> None:
+        with httpx.stream("POST", f"{_proxy(cluster)}/v1/chat/completions", json=body, timeout=180) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    errors.append(chunk["error"]["message"])
+                for choice in chunk.get("choices", []):
+                    texts[choice["index"]] += choice["delta"].get("content") or ""
+                    finished[choice["index"]] = choice.get("finish_reason") or finished[choice["index"]]
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 120
+    while min(len(t) for t in texts) < 12:  # both sequences are decoding
+        assert time.monotonic() < deadline and reader.is_alive(), (texts, errors)
+        time.sleep(0.02)
+    for url, ids in fillers.items():  # room for the sequences to move to
+        for rid in ids:
+            r = httpx.post(f"{url}/internal/abort", content=encode(AbortRequest(rid)), headers=MSGPACK)
+            assert r.status_code == 200, r.text
+    os.killpg(victim.proc.pid, signal.SIGKILL)
+    victim.proc.wait(timeout=10)
+    reader.join(timeout=180)
+    assert not reader.is_alive(), "the request hung after its decode node died"
+    assert errors == [] and finished == ["length", "length"], (errors, finished)
+    assert texts == [reference[0], reference[0]]
+    moved = _migrations(cluster).get('pdserve_request_migrations_total{role="decode"}', 0.0) - before
+    assert moved == 1
+    _wait_idle(cluster)
 
 
 def test_decode_node_killed_under_8_streams_every_one_completes_identically(cluster, reference):

@@ -505,3 +505,91 @@ def test_an_early_prefill_dropped_before_its_landing_is_counted_by_why(how):
     assert counts == {reason: float(reason == how) for reason in counts}
     assert aborted, "the prefill node was told to abort"
     assert f'pdserve_early_prefills_dropped_total{{reason="{how}"}} 1.0' in registry.render()
+
+
+@pytest.mark.parametrize("streamed", [[5, 6], [5, 6, 7, 8]])
+def test_a_parallel_request_moves_sequence_by_sequence(streamed):
+    """n = 2, max_tokens 4: the decode node dies after sequence 0 ended (it stays as it was) and
+    sequence 1 streamed ``streamed``. With tokens left, sequence 1 goes on as a request of its own
+    (the prompt and its tokens, 2 more, ``resumed_tokens`` 2) on the other decode node, its events
+    under index 1; with its budget spent, it just ends ("length"), nothing moves."""
+    from pdserve.messages import LandingDescriptor, PrefillResult, TokenEvent
+    from pdserve.metrics import Registry
+    from pdserve.proxy.channel import NodeError
+    from pdserve.proxy.dispatch import Dispatcher
+    from pdserve.sampling_params import SamplingParams
+
+    r = router([info("prefill")], [info("decode", node_id="d0"), info("decode", node_id="d1")])
+    dying, survivor = r.decode
+    reserved: list[tuple[str, str, list[int], SamplingParams]] = []
+
+    def reserve_on(node):
+        async def reserve(msg, timeout=None):
+            reserved.append((node.node_id, msg.request_id, list(msg.prompt_token_ids), msg.params))
+            return LandingDescriptor(msg.request_id, node.node_id, "tcp://127.0.0.1:1", [0], 16, 1e12)
+
+        return reserve
+
+    class _Events:
+        def __init__(self, request, sink, events):
+            self.request, self.sink, self.events = request, sink, events
+
+        async def __aenter__(self):
+            loop = asyncio.get_running_loop()
+            for item in self.events(self.request.request_id):
+                loop.call_soon(self.sink, item)
+            return self
+
+        async def __aexit__(self, *exc):
+            return False
+
+    def first_attempt(rid):
+        return [
+            TokenEvent(rid, [1], "a", index=0),
+            TokenEvent(rid, streamed[:1], "b", index=1),
+            TokenEvent(rid, [2], "c", index=0, finish_reason="stop"),
+            TokenEvent(rid, streamed[1:], "d", index=1),
+            NodeError(dying.url, "connection lost"),
+        ]
+
+    def resumed(rid):
+        return [TokenEvent(rid, [8], "e"), TokenEvent(rid, [9], "f", finish_reason="length")]
+
+    async def prefill(msg, timeout=None, sent=None):
+        return PrefillResult(msg.request_id, ok=True)
+
+    dying.client.reserve, survivor.client.reserve = reserve_on(dying), reserve_on(survivor)
+    dying.client.stream = lambda request, sink, **k: _Events(request, sink, first_attempt)
+    survivor.client.stream = lambda request, sink, **k: _Events(request, sink, resumed)
+    for node in (dying, survivor, r.prefill[0]):
+        node.client.abort = lambda *a, **k: asyncio.sleep(0)
+    r.prefill[0].client.prefill = prefill
+    r.policy = RoundRobin()  # d0 first
+    d = Dispatcher(r, Registry(), overlap_reserve=False)
+
+    async def main() -> list:
+        gen = d.start("r0", [100] * 16, SamplingParams(n=2, max_tokens=4, temperature=0.0), 1e9)
+        out = []
+        while (event := await gen.next()) is not None:
+            out.append(
+                (event.request_id, event.index, event.token_ids, event.finish_reason, event.num_prompt_tokens)
+            )
+        await asyncio.sleep(0.01)
+        return out
+
+    out = asyncio.run(main())
+    by_index = {i: [t for _, j, ts, _, _ in out if j == i for t in ts] for i in (0, 1)}
+    assert {rid for rid, *_ in out} == {"r0"} and by_index[0] == [1, 2]
+    assert [e[3] for e in out if e[1] == 0 and e[3]] == ["stop"]
+    if len(streamed) == 2:
+        assert by_index[1] == [5, 6, 8, 9] and [e[3] for e in out if e[1] == 1 and e[3]] == ["length"]
+        ((node, rid, prompt, params),) = reserved[1:]
+        assert (node, rid, prompt) == ("d1", "r0-m1-s1", [100] * 16 + [5, 6])
+        assert (params.n, params.max_tokens, params.resumed_tokens) == (1, 2, 2)
+        assert [e[4] for e in out if e[2] in ([8], [9])] == [
+            16,
+            16,
+        ]  # the client's prompt, not the resumed one
+    else:
+        assert by_index[1] == [5, 6, 7, 8] and out[-1][1:4] == (1, [], "length")
+        assert [node for node, *_ in reserved] == ["d0"]  # nothing moved
