@@ -238,6 +238,7 @@ class Generation:
         self.node_request_id = request_id  # this attempt's id on the nodes
         self.emitted: list[int] = []  # output tokens handed to the caller so far
         self.migrations = migrations  # times the request moved (its sequences' own requests count on)
+        self._several = params.num_sequences > 1  # parallel sampling: sequences move one by one
         self._by_index: dict[int, list[int]] = {}  # parallel sampling: tokens streamed per sequence
         self._ended: set[int] = set()  # parallel sampling: sequences whose final event was streamed
         self.decode_node: NodeState | None = None
@@ -323,7 +324,7 @@ class Generation:
                 await self._attempt()
                 return
             except NodeDied as exc:
-                several = self.params.num_sequences > 1 and bool(self.emitted)
+                several = self._several and bool(self.emitted)
                 limit = self.params.max_tokens
                 if not several and limit is not None and len(self.emitted) >= limit:  # after the last token
                     self.finished = True
@@ -602,7 +603,7 @@ class Generation:
 
     def _deliver(self, event: TokenEvent) -> None:
         self.emitted.extend(event.token_ids)
-        if self.params.num_sequences > 1:  # each sequence's own, should it have to move
+        if self._several:  # each sequence's own, should it have to move
             self._by_index.setdefault(event.index, []).extend(event.token_ids)
             if event.finish_reason is not None:
                 self._ended.add(event.index)

@@ -259,28 +259,35 @@ def _best(times: list[float]) -> float:
     return min(times[1:])
 
 
-def _timed_send(sender, address, info, rid: str, src_ids, dst_ids, timeout: float) -> float:
-    """One send with its commit, timed from ``KVSender.send`` to its outcome (the decode node's ack)
-    reaching the sender: stamped by a callback on the thread that resolves the send's future, the
-    sender's peer thread, which is where the prefill node takes the outcome (it never blocks on
-    ``result()``). The caller's own wake-up after that, a benchmark's cost only, is left out (the
-    breakdown times it: "sender: ack to the caller, woken by the future")."""
+def _stamped_send(sender, address, info, rid: str, src_ids, dst_ids, timeout: float) -> tuple[float, float]:
+    """One send with its commit: when its outcome (the decode node's ack) reached the sender, and
+    when the caller blocked on ``result()`` woke, both ``time.perf_counter()``. The outcome is
+    stamped by a callback on the thread that resolves the send's future, the sender's peer thread,
+    which is where the prefill node takes it (it never blocks on ``result()``): the caller's own
+    wake-up is a benchmark's cost only."""
     from pdserve.kv_transfer.messages import KVCommit
 
     stamped = threading.Event()
-    at = [0.0]
+    outcome = [0.0]
 
     def stamp(_) -> None:
-        at[0] = time.perf_counter()
+        outcome[0] = time.perf_counter()
         stamped.set()
 
-    start = time.perf_counter()
     fut = sender.send(address, info, rid, src_ids, dst_ids, KVCommit(rid, 0), timeout, written=True)
     fut.add_done_callback(stamp)
     ack = fut.result()
-    stamped.wait()
+    woken = time.perf_counter()
+    stamped.wait()  # the callback runs right after the future wakes this thread
     assert ack.ok, ack.error
-    return at[0] - start
+    return outcome[0], woken
+
+
+def _timed_send(sender, address, info, rid: str, src_ids, dst_ids, timeout: float) -> float:
+    """One send timed from ``KVSender.send`` to its outcome reaching the sender (``_stamped_send``;
+    the breakdown times the caller's wake-up after it: "sender: ack to the caller")."""
+    start = time.perf_counter()
+    return _stamped_send(sender, address, info, rid, src_ids, dst_ids, timeout)[0] - start
 
 
 def _time_send(remote, sender, address, shape, n: int, rid: str, src_ids=None) -> float:
@@ -531,8 +538,6 @@ def _breakdown_us(remote, sender, address, shape, count: int, tag: str, src_ids=
     """Where a send's time goes: p50 and p90 in microseconds of each step of ``BREAKDOWN`` over
     ``count`` sends (after 10 to warm up), and of the whole send; of blocks ``src_ids`` into blocks
     0..n-1 (one block by default: the fixed cost)."""
-    from pdserve.kv_transfer.messages import KVCommit
-
     rids = [f"{tag}-probe-{i}" for i in range(count + 10)]
     dst_ids = list(range(len(src_ids)))
     remote.call("reserve_many", (rids, dst_ids))
@@ -541,15 +546,8 @@ def _breakdown_us(remote, sender, address, shape, count: int, tag: str, src_ids=
     probe = _Probe("sender")
     try:
         for rid in rids:
-            fut = sender.send(address, info, rid, list(src_ids), dst_ids, KVCommit(rid, 0), 30, written=True)
-            outcome: list[float] = []
-            fut.add_done_callback(lambda _, outcome=outcome: outcome.append(time.perf_counter()))
-            ack = fut.result()
-            probe.stamps[rid]["done"] = time.perf_counter()
-            while not outcome:  # the callback runs right after the future wakes this thread
-                time.sleep(0)
-            probe.stamps[rid]["outcome"] = outcome[0]
-            assert ack.ok, ack.error
+            outcome, woken = _stamped_send(sender, address, info, rid, list(src_ids), dst_ids, 30)
+            probe.stamps[rid].update(outcome=outcome, done=woken)
     finally:
         ours = probe.close()
         theirs = remote.call("probe", False)
