@@ -110,14 +110,18 @@ def _nixl_run(agent, op: str, local, remote, remote_name: str) -> str:
 # -- receiver process ------------------------------------------------------------------------------
 
 
-def _nixl_options(slots: tuple[int, int], max_desc_bytes: int = 0):
-    """nixl's options with staging slots (number, bytes; 0: the default) and READ descriptors of at
-    most ``max_desc_bytes`` (0: one per contiguous run)."""
+def _nixl_options(slots: tuple[int, int], max_desc_bytes: int = 0, prepared_max_blocks: int = -1):
+    """nixl's options with staging slots (number, bytes; 0: the default), READ descriptors of at
+    most ``max_desc_bytes`` (0: one per contiguous run) and ``prepared_max_blocks`` (-1: the
+    default)."""
     from pdserve.kv_transfer import NixlOptions, StagingOptions
 
     default = StagingOptions()
     staging = StagingOptions(slots[0] or default.num_slots, slots[1] or default.slot_bytes)
-    return NixlOptions(max_desc_bytes=max_desc_bytes, staging=staging)
+    options = NixlOptions(max_desc_bytes=max_desc_bytes, staging=staging)
+    if prepared_max_blocks >= 0:
+        options = dataclasses.replace(options, prepared_max_blocks=prepared_max_blocks)
+    return options
 
 
 def _receiver(
@@ -129,6 +133,7 @@ def _receiver(
     raw_bytes: int,
     max_desc_bytes: int,
     slots: tuple[int, int],
+    prepared_max_blocks: int,
 ) -> None:
     from pdserve import kv_transfer
     from pdserve.kv_transfer import ReservationTable
@@ -139,7 +144,9 @@ def _receiver(
     kv = _cache(shape, num_blocks, device, fill=False)
     table = ReservationTable(shape[0])
     # The decode side builds the READs: it takes the descriptor limit.
-    receiver = kv_transfer.create_receiver(transports, options=[_nixl_options(slots, max_desc_bytes)])
+    receiver = kv_transfer.create_receiver(
+        transports, options=[_nixl_options(slots, max_desc_bytes, prepared_max_blocks)]
+    )
     receiver.register_kv_cache(kv)
     address = receiver.start(_info("bench-decode", shape), table, lambda commit: None)
     raw = socket.socket()
@@ -592,7 +599,8 @@ def run(args: argparse.Namespace) -> dict:
     max_desc_bytes = int(args.nixl_max_desc_mib * (1 << 20))
     slots = (args.stage_slots, args.stage_slot_mib << 20)
     nixl_options = _nixl_options(slots)
-    remote = _Remote(ctx, (shape, max_blocks, recv_dev, accepted, max_bytes, max_desc_bytes, slots))
+    prepared = args.nixl_prepared_max_blocks
+    remote = _Remote(ctx, (shape, max_blocks, recv_dev, accepted, max_bytes, max_desc_bytes, slots, prepared))
     if not remote.conn.poll(300):
         raise RuntimeError("the receiver did not start")
     address, raw_port = remote.conn.recv()
@@ -913,6 +921,7 @@ def run(args: argparse.Namespace) -> dict:
         "one_block_after_gap_us": after_gap,
         "size_breakdown_count": args.size_breakdown_count,
         "nixl_max_desc_bytes": max_desc_bytes,
+        "nixl_prepared_max_blocks": prepared if prepared >= 0 else NixlOptions().prepared_max_blocks,
         "nccl_direct_min_run_bytes": NcclOptions().direct_min_run_bytes,
         "nixl_descriptors_per_piece": NixlOptions().descriptors_per_piece,
         "staging_slots": [nixl_options.staging.num_slots, nixl_options.staging.slot_bytes],
@@ -961,6 +970,12 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
         type=float,
         default=0,
         help="cut nixl READ descriptors to at most this size (default 0: one per contiguous run)",
+    )
+    p.add_argument(
+        "--nixl-prepared-max-blocks",
+        type=int,
+        default=-1,
+        help="the decode side's NixlOptions.prepared_max_blocks (default -1: its default)",
     )
     p.add_argument(
         "--stage-slots", type=int, default=0, help="staging slots a node (default: StagingOptions)"
