@@ -68,6 +68,10 @@ class ModelConfig:
     """Where converted models live; empty means $PDSERVE_CACHE_DIR or ~/.cache/pdserve."""
     enforce_eager: bool = False
     """Run every step eagerly; no CUDA graphs."""
+    piecewise_graph_max_tokens: int = 512
+    """On CUDA, prefill and mixed steps of at most this many tokens (and of at most
+    max_num_batched_tokens) replay CUDA graphs in pieces between the attention launches
+    (pdserve/engine/piecewise_graphs.py); 0: they run eagerly."""
     sim_calibration: str = ""
     """For a `sim:` model: a calibration JSON (python -m pdserve.engine.sim.calibration) or a
     gpu_engine benchmark JSON of your GPU, instead of the preset's figures."""

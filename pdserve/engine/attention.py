@@ -71,7 +71,6 @@ class AttentionBackend(ABC):
 
     name: str
 
-    @abstractmethod
     def forward(
         self,
         q: torch.Tensor,  # [T, Hq, D]
@@ -81,7 +80,25 @@ class AttentionBackend(ABC):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # [T, Hq, D]
-        ...
+        self.write(k, v, kv_cache, meta.slot_mapping)
+        return self.attend(q, kv_cache, meta, scale)
+
+    @abstractmethod
+    def write(
+        self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
+        """Store each new token's K/V in its cache slot (slot -1: dropped, a padding row)."""
+
+    @abstractmethod
+    def attend(
+        self,
+        q: torch.Tensor,  # [T, Hq, D]
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        out: torch.Tensor | None = None,  # [T, Hq, D]: where the output goes (else a new tensor)
+    ) -> torch.Tensor:
+        """Attention of each request's new tokens over its context in the cache (written already)."""
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -89,10 +106,13 @@ class TorchAttentionBackend(AttentionBackend):
 
     name = "torch"
 
-    def forward(self, q, k, v, kv_cache, meta, scale):
+    def write(self, k, v, kv_cache, slot_mapping):
+        write_kv_ref(k, v, kv_cache, slot_mapping)
+
+    def attend(self, q, kv_cache, meta, scale, out=None):
         assert meta.static_decode is None, "the torch references read the host lists of the step"
-        write_kv_ref(k, v, kv_cache, meta.slot_mapping)
-        return paged_attention_ref(q, kv_cache, meta.block_tables, meta.seq_lens, meta.query_lens, scale)
+        o = paged_attention_ref(q, kv_cache, meta.block_tables, meta.seq_lens, meta.query_lens, scale)
+        return o if out is None else out.copy_(o)
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -100,11 +120,14 @@ class TritonAttentionBackend(AttentionBackend):
 
     name = "triton"
 
-    def forward(self, q, k, v, kv_cache, meta, scale):
+    def write(self, k, v, kv_cache, slot_mapping):
         from pdserve.kernels.kv_write import write_kv
+
+        write_kv(k, v, kv_cache, slot_mapping)
+
+    def attend(self, q, kv_cache, meta, scale, out=None):
         from pdserve.kernels.paged_attention import paged_attention
 
-        write_kv(k, v, kv_cache, meta.slot_mapping)
         return paged_attention(
             q,
             kv_cache,
@@ -114,6 +137,7 @@ class TritonAttentionBackend(AttentionBackend):
             scale,
             meta.max_query_len,
             meta.max_seq_len,
+            out,
             static=meta.static_decode,
         )
 

@@ -1,9 +1,10 @@
 """Runs the model for one scheduled step: builds the flat token batch, owns the KV cache memory.
 
 On CUDA, unless ``enforce_eager``, pure-decode steps replay CUDA graphs captured right after the
-KV cache is allocated (``cuda_graphs.py``); prefill and mixed steps run eagerly. ``warm_up`` then
-launches every other Triton specialization a step can meet, so that nothing compiles while the
-engine serves.
+KV cache is allocated (``cuda_graphs.py``), and prefill and mixed steps of at most
+``piecewise_graph_max_tokens`` tokens replay graphs in pieces between eager attention launches
+(``piecewise_graphs.py``); longer steps run eagerly. ``warm_up`` then launches every other Triton
+specialization a step can meet, so that nothing compiles while the engine serves.
 
 ``execute`` never waits for the device: host lists go up through pinned memory (``copies.py``)
 and input ids that the previous step sampled (output placeholders under async scheduling) are
@@ -24,6 +25,7 @@ from pdserve.engine.copies import to_device
 from pdserve.engine.cuda_graphs import DecodeGraphs
 from pdserve.engine.models.arch import ArchConfig
 from pdserve.engine.models.llama import CausalLM
+from pdserve.engine.piecewise_graphs import PiecewiseGraphs
 from pdserve.engine.prompt_logprobs import prompt_logprobs as compute_prompt_logprobs
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.kernels.block_copy import gather_blocks, scatter_blocks
@@ -57,6 +59,7 @@ class ModelRunner:
         self.backend = get_attention_backend(self.device)
         self.kv_cache: torch.Tensor | None = None  # [L, NB, 2, BS, Hkv, D], block-major in memory
         self.graphs: DecodeGraphs | None = None  # captured by allocate_kv_cache on CUDA
+        self.piecewise: PiecewiseGraphs | None = None  # likewise
 
     @property
     def bytes_per_block(self) -> int:
@@ -101,7 +104,8 @@ class ModelRunner:
         return peak
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        """Allocate and bind the KV cache, then capture the decode graphs (CUDA, not enforce_eager)."""
+        """Allocate and bind the KV cache, then capture the decode graphs and the piecewise ones
+        (CUDA, not enforce_eager)."""
         self._bind_kv_cache(num_blocks)
         if self.device.type == "cuda" and not self.config.model.enforce_eager:
             self.graphs = DecodeGraphs(
@@ -113,6 +117,14 @@ class ModelRunner:
                 device=self.device,
             )
             self.graphs.capture()
+            max_tokens = min(
+                self.config.model.piecewise_graph_max_tokens, self.config.scheduler.max_num_batched_tokens
+            )
+            if max_tokens > 0:
+                self.piecewise = PiecewiseGraphs(
+                    self.model, self.backend, max_tokens=max_tokens, device=self.device
+                )
+                self.piecewise.capture()
 
     @torch.inference_mode()
     def warm_up(self) -> None:
@@ -198,9 +210,9 @@ class ModelRunner:
 
         Placeholder input ids (``ScheduledRequest.num_device_inputs``) come from
         ``device_inputs``; their slots in the host list hold 0 until the device fills them.
-        With ``layer_events`` (a list, CUDA), an eager step appends one event per layer, recorded
-        once that layer's kernels are queued: layer i's KV is written when event i completes. A
-        CUDA-graph step appends none. The step's ``block_copies`` are made first. With
+        With ``layer_events`` (a list, CUDA), an eager or piecewise-graph step appends one event per
+        layer, recorded once that layer's kernels are queued: layer i's KV is written when event i
+        completes. A decode-graph step appends none. The step's ``block_copies`` are made first. With
         ``prompt_logprobs`` (a list), each request that asks for them and computes prompt positions
         in this step appends ``(request_id, first_token_index, [TokenLogprobs, ...])``.
         """
@@ -259,10 +271,14 @@ class ModelRunner:
                     event.record()
                     layer_events.append(event)
 
-            ids = to_device(input_ids, torch.long, dev)
-            if fill is not None:
-                ids.index_copy_(0, *fill)
-            hidden = self.model(ids, to_device(positions, torch.long, dev), meta, self.backend, after_layer)
+            if self.piecewise is not None and self.piecewise.bucket_for(len(input_ids)) is not None:
+                hidden = self.piecewise.run(input_ids, positions, slots, meta, fill, after_layer)
+            else:
+                ids = to_device(input_ids, torch.long, dev)
+                if fill is not None:
+                    ids.index_copy_(0, *fill)
+                positions_t = to_device(positions, torch.long, dev)
+                hidden = self.model(ids, positions_t, meta, self.backend, after_layer)
         if prompt_logprobs is not None:
             self._prompt_logprobs(out, hidden, first_rows, prompt_logprobs)
         if len(sample_rows) < hidden.shape[0]:

@@ -50,6 +50,11 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
+        q, k, v = self.project(x, positions)
+        return self.output(backend.forward(q, k, v, self.kv_cache, meta, self.scale))
+
+    def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``(q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D])``: projected, normed (Qwen3), rotated."""
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
@@ -58,8 +63,10 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        o = backend.forward(q, k, v, self.kv_cache, meta, self.scale)  # [T, Hq, D]
-        return self.o_proj(o.reshape(t, self.q_size))
+        return q, k, v
+
+    def output(self, o: torch.Tensor) -> torch.Tensor:  # [T, Hq, D] -> [T, hidden]
+        return self.o_proj(o.reshape(o.shape[0], self.q_size))
 
 
 class DecoderLayer(nn.Module):
@@ -88,11 +95,23 @@ class DecoderLayer(nn.Module):
         Returns ``(mlp output, residual stream before it)``; the caller's next norm adds them.
         The sums are the same additions, in the same dtype, as in :meth:`forward`.
         """
+        q, k, v, residual = self.pre_attention(hidden, residual, positions)
+        attn = self.self_attn
+        return self.post_attention(backend.forward(q, k, v, attn.kv_cache, meta, attn.scale), residual)
+
+    def pre_attention(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        """The fused path up to the attention: ``(q, k, v, residual stream)``."""
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
         else:
             hidden, residual = self.input_layernorm.forward_add(hidden, residual)
-        hidden = self.self_attn(hidden, positions, meta, backend)
+        return (*self.self_attn.project(hidden, positions), residual)
+
+    def post_attention(self, o: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fused path from the attention's output ``o`` [T, Hq, D]: ``(mlp output, residual)``."""
+        hidden = self.self_attn.output(o)
         hidden, residual = self.post_attention_layernorm.forward_add(hidden, residual)
         return self.mlp(hidden), residual
 
