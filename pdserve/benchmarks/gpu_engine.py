@@ -106,6 +106,14 @@ NOTES = {
         "layer_params = parameters of the decoder layers (embeddings excluded)"
     ),
     "prefill.roofline_tok_s": "T / (prefill.flops / matmul_tflops)",
+    "short_prefill": (
+        "per prompt length T (--short-prefill-lens): milliseconds of one LLM.generate(max_tokens=1) "
+        "of a fresh T-token prompt (empty prefix cache), best and median of 7 after one at the same "
+        "length: pdserve as configured (piecewise CUDA graphs for steps of up to "
+        "piecewise_graph_max_tokens), eager_ms the same engine with its piecewise graphs switched off "
+        "(the anchor for them; decode graphs stay), hf_ms one HF forward over the prompt with "
+        "logits_to_keep=1 (warmed at T); ratio_vs_eager = eager_ms / pdserve_ms (best to best)"
+    ),
 }
 
 
@@ -332,6 +340,52 @@ def prefill_tok_s(llm: LLM, hf_model, n: int, vocab: int, repeats: int = 3) -> t
     return ours, ref
 
 
+def short_prefill_ms(llm: LLM, hf_model, n: int, vocab: int, repeats: int = 7) -> dict:
+    """Milliseconds of one prefill of an ``n``-token prompt (``NOTES['short_prefill']``): ours, ours
+    with the piecewise graphs off (the anchor), one HF forward; each warmed at ``n``, best and
+    median of ``repeats``, the three interleaved run by run."""
+    gen = torch.Generator().manual_seed(n)
+    ids = torch.randint(100, vocab - 100, (n,), generator=gen).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    runner = llm.engine.runner
+    piecewise = runner.piecewise
+    x = torch.tensor([ids], device=hf_model.device)
+
+    def ours(graphs) -> float:
+        runner.piecewise = graphs
+        try:
+            assert llm.engine.reset_prefix_cache()
+            t = _sync_time()
+            llm.generate({"prompt_token_ids": ids}, params)
+            return (_sync_time() - t) * 1e3
+        finally:
+            runner.piecewise = piecewise
+
+    def hf() -> float:
+        with torch.inference_mode():
+            t = _sync_time()
+            hf_model(x, logits_to_keep=1)
+            return (_sync_time() - t) * 1e3
+
+    ways = {"pdserve": lambda: ours(piecewise), "eager": lambda: ours(None), "hf": hf}
+    times: dict[str, list[float]] = {name: [] for name in ways}
+    for way in ways.values():
+        way()  # warm-up at the timed shape
+    for _ in range(repeats):
+        for name, way in ways.items():
+            times[name].append(way())
+    row: dict = {
+        "tokens": n,
+        "piecewise_graphs": piecewise is not None and piecewise.bucket_for(n) is not None,
+    }
+    for name, taken in times.items():
+        row[f"{name}_ms"] = min(taken)
+        row[f"{name}_median_ms"] = statistics.median(taken)
+    row["ratio_vs_eager"] = row["eager_ms"] / row["pdserve_ms"]
+    row["ratio_vs_hf"] = row["hf_ms"] / row["pdserve_ms"]
+    return row
+
+
 def _target(measured: float | None, target: float) -> dict:
     if measured is None:
         return {"target": target, "measured": None, "met": None, "note": "not measured in this run"}
@@ -352,6 +406,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--decode-prompt-len", type=int, default=1024)
     p.add_argument("--decode-new-tokens", type=int, default=64)
     p.add_argument("--prefill-len", type=int, default=2048)
+    p.add_argument(
+        "--short-prefill-lens",
+        default="128,512",
+        help="prompt lengths timed in ms against the engine without piecewise graphs ('' for none)",
+    )
     p.add_argument("--matmul-n", type=int, default=8192)
     p.add_argument("--skip-hf-decode", action="store_true", help="no HF generate decode anchor")
     p.add_argument("--skip-generate-batch", action="store_true", help="no HF generate_batch anchor")
@@ -378,6 +437,7 @@ def main(argv: list[str] | None = None) -> None:
         args.preset, args.steps, args.matmul_n = "tiny", 8, 256
         args.decode_batches, args.decode_prompt_len, args.decode_new_tokens = "1,8", 64, 8
         args.prefill_len = 128
+        args.short_prefill_lens = "32"
         args.out = args.out or "/tmp/gpu_engine_dry_run.json"
         engine_kwargs = {"device": "cpu", "num_kv_blocks": 512}
         copy_bytes = 64 << 20
@@ -451,6 +511,17 @@ def main(argv: list[str] | None = None) -> None:
         f"{ours / roof:.1%} of matmul roofline ({roof:.0f}; HF {ref / roof:.1%})",
         flush=True,
     )
+
+    result["short_prefill"] = []
+    for n in [int(x) for x in args.short_prefill_lens.split(",") if x]:
+        row = short_prefill_ms(llm, hf, n, vocab)
+        result["short_prefill"].append(row)
+        print(
+            f"prefill {n}: pdserve {row['pdserve_ms']:.2f} ms (median {row['pdserve_median_ms']:.2f}), "
+            f"{row['ratio_vs_eager']:.2f}x faster than without piecewise graphs ({row['eager_ms']:.2f}), "
+            f"{row['ratio_vs_hf']:.2f}x faster than an HF forward ({row['hf_ms']:.2f})",
+            flush=True,
+        )
 
     kv_per_token = arch.kv_bytes_per_token(torch.bfloat16)
     runner = llm.engine.runner
