@@ -32,6 +32,7 @@ import bisect
 import logging
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
@@ -52,15 +53,15 @@ def piecewise_buckets(max_tokens: int) -> list[int]:
     return sorted({s for s in sizes if s < max_tokens} | {max_tokens})
 
 
-class Replay:
-    """What ``PiecewiseGraphs`` needs of a captured piece: ``replay()``. On CUDA a CUDA graph; the
-    eager stand-in (``Eager``) runs the piece's code itself, so the decomposition runs on the CPU."""
+class Replay(Protocol):
+    """What ``PiecewiseGraphs`` needs of a captured piece: a ``torch.cuda.CUDAGraph``, or ``Eager``."""
 
-    def replay(self) -> None:  # pragma: no cover - an interface
-        raise NotImplementedError
+    def replay(self) -> None: ...
 
 
-class Eager(Replay):
+class Eager:
+    """A piece that runs its code when replayed: the decomposition without CUDA (the CPU tests)."""
+
     def __init__(self, fn: Callable[[], None]) -> None:
         self.fn = fn
 
@@ -108,9 +109,8 @@ class PiecewiseGraphs:
             return
         layer = layers[i]
         q, k, v, residual = layer.pre_attention(hidden, residual, positions)
-        if (
-            residual.data_ptr() != self.residual.data_ptr()
-        ):  # the fused norm adds in place; the CPU's does not
+        # The fused norm adds into the static buffer in place; the embedding and the CPU's norm do not.
+        if residual.data_ptr() != self.residual.data_ptr():
             self.residual[:t].copy_(residual)
         self.backend.write(k, v, layer.self_attn.kv_cache, slots)
         self.q[:t].copy_(q)
@@ -141,10 +141,11 @@ class PiecewiseGraphs:
                     self._piece(i, t)
                 graphs.append(graph)
             self.graphs[t] = graphs
-        if not eager:
-            torch.cuda.synchronize(self.device)
+        if eager:
+            return
+        torch.cuda.synchronize(self.device)
         logger.info(
-            "captured %d piecewise CUDA graphs for prefill and mixed steps of up to %s tokens in %.1f s",
+            "captured %d piecewise CUDA graphs for prefill and mixed steps of %s tokens in %.1f s",
             sum(len(g) for g in self.graphs.values()),
             ",".join(map(str, self.buckets)),
             time.monotonic() - start,
