@@ -16,6 +16,7 @@ import torch
 from pdserve.engine.attention import AttentionMetadata
 from pdserve.engine.piecewise_graphs import PiecewiseGraphs, piecewise_buckets
 from pdserve.utils import cdiv
+from tests.test_cuda_graphs import _generate
 
 
 def test_piecewise_buckets():
@@ -102,14 +103,6 @@ def test_device_inputs_fill_the_padded_ids(tiny_models):
         fill = (torch.tensor([1, 3]), torch.tensor([17, 23]))
         got = graphs.run(placeholder, positions, slots, meta, fill=fill)
     torch.testing.assert_close(got, expect, rtol=1e-5, atol=1e-5)
-
-
-def _generate(llm, prompts, max_tokens):
-    from pdserve import SamplingParams
-
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in max_tokens]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    return [o.outputs[0].token_ids for o in outs]
 
 
 @pytest.mark.gpu
