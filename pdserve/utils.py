@@ -1,7 +1,8 @@
-"""Small helpers with one home: maths, process plumbing, thread timing."""
+"""Small helpers with one home: maths, process plumbing, thread timing, asyncio waits."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ctypes
 import random
@@ -32,6 +33,20 @@ def precise_sleeps() -> None:
         return
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_TIMERSLACK, TIMER_SLACK_NS, 0, 0, 0)
+
+
+async def wait_at_most(fut: asyncio.Future, timeout: float | None) -> bool:
+    """Wait up to ``timeout`` seconds (None: no limit) for ``fut``; True if it is done. ``fut`` is
+    left running on a timeout and when the waiter is cancelled (``asyncio.shield`` semantics).
+
+    Unlike ``asyncio.wait_for`` on Python 3.10 and 3.11, a cancellation that arrives in the loop
+    turn in which ``fut`` completes is never lost: ``wait_for`` then returns the result and the
+    caller runs on as if it had not been cancelled (a cancelled prefill call stayed on its node,
+    unaborted, until the node's own 30 s limit)."""
+    if fut.done():
+        return True
+    done, _ = await asyncio.wait({fut}, timeout=timeout)
+    return bool(done)
 
 
 def cdiv(a: int, b: int) -> int:

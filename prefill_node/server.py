@@ -76,7 +76,7 @@ from pdserve.node.channel import ChannelServer, Peer
 from pdserve.node.core_client import CoreRefused
 from pdserve.node.framework import NodeState, node_app
 from pdserve.node.service import NodeRefused, NodeService
-from pdserve.utils import cdiv
+from pdserve.utils import cdiv, wait_at_most
 
 logger = logging.getLogger(__name__)
 
@@ -579,9 +579,7 @@ def add_prefill_calls(channel: ChannelServer, state: NodeState) -> None:
                 limit = state.node.kv_transfer_timeout_s
                 if msg.deadline:
                     limit = min(limit, max(0.0, msg.deadline - time.time()))
-                try:
-                    await asyncio.wait_for(asyncio.shield(awaited.landed), limit)
-                except asyncio.TimeoutError:
+                if not await wait_at_most(awaited.landed, limit):
                     state.end_request(rid, "its landing descriptor never came")
                     why = f"no landing descriptor came within {limit:.3g} s of the first token"
                     raise fail(msg, 504, why) from None

@@ -54,6 +54,7 @@ from pdserve.messages import (
     decode,
     encode,
 )
+from pdserve.utils import wait_at_most
 
 logger = logging.getLogger(__name__)
 
@@ -312,12 +313,15 @@ class NodeChannel:
             if self._retrying:
                 raise NodeError(self.url, f"cannot connect to {self.address}", connect_failed=True)
             self._changed.clear()
+            changed = asyncio.ensure_future(self._changed.wait())
             try:
-                await asyncio.wait_for(self._changed.wait(), max(0.0, give_up - time.monotonic()))
-            except asyncio.TimeoutError:
-                raise NodeError(
-                    self.url, f"no request channel to {self.address} (connect timed out)", connect_failed=True
-                ) from None
+                # Not asyncio.wait_for: on Python 3.11 it loses a cancellation that comes as the
+                # channel opens, and a cancelled prefill call would then go out, never aborted.
+                if not await wait_at_most(changed, max(0.0, give_up - time.monotonic())):
+                    why = f"no request channel to {self.address} (connect timed out)"
+                    raise NodeError(self.url, why, connect_failed=True)
+            finally:
+                changed.cancel()
         if self._refused is not None:
             raise self._refused
 

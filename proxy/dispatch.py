@@ -58,7 +58,7 @@ from pdserve.proxy.early_prefills import EarlyPrefills, Ticket
 from pdserve.proxy.protocol import ProxyError
 from pdserve.proxy.router import NodeState, Router, RouteRequest
 from pdserve.sampling_params import SamplingParams
-from pdserve.utils import cdiv
+from pdserve.utils import cdiv, wait_at_most
 
 logger = logging.getLogger(__name__)
 
@@ -536,11 +536,12 @@ class Generation:
         try:
             done, _ = await asyncio.wait({prefill, end}, return_when=asyncio.FIRST_COMPLETED)
             if prefill in done and prefill.exception() is not None:
-                if isinstance(prefill.exception(), ProxyError):
-                    # A transfer fails when its decode node dies: if the stream breaks too, the
-                    # decode node is the one to blame (and the request can move).
-                    with contextlib.suppress(asyncio.TimeoutError, ProxyError):
-                        await asyncio.wait_for(asyncio.shield(end), 1.0)
+                # A transfer fails when its decode node dies: if the stream breaks too, the
+                # decode node is the one to blame (and the request can move).
+                decode_may_be_dead = isinstance(prefill.exception(), ProxyError)
+                if decode_may_be_dead and await wait_at_most(end, 1.0) and not end.cancelled():
+                    with contextlib.suppress(ProxyError):
+                        end.result()  # raises a broken stream's NodeError
                 prefill.result()  # raises the prefill's failure
             await end
         finally:

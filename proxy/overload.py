@@ -23,6 +23,8 @@ import asyncio
 import collections
 import contextlib
 
+from pdserve.utils import wait_at_most
+
 
 class LoopLag:
     """How late this process's event loop runs, and a queue of requests waiting for it to catch up.
@@ -100,9 +102,7 @@ class LoopLag:
         waiter = asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)
         try:
-            return await asyncio.wait_for(asyncio.shield(waiter), timeout)
-        except asyncio.TimeoutError:
-            return False
+            return await wait_at_most(waiter, timeout) and waiter.result()
         finally:
             if not waiter.done():
                 waiter.cancel()

@@ -1,0 +1,86 @@
+"""A cancellation is never lost: ``pdserve.utils.wait_at_most`` (the proxy's and the prefill node's
+bounded waits) and a proxy's prefill call cancelled as its request channel opens.
+
+On Python 3.10 and 3.11 ``asyncio.wait_for`` returns the result when the cancellation comes in the
+loop turn in which the awaited future completes. A prefill call cancelled that way (its request's
+reservation failed in a burst) went out as its channel opened and sat unaborted on the prefill
+node, holding a queue place, until the node's 30 s landing limit: the requests that waited for
+that queue lost their decode leases.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pdserve.messages import Call, PrefillRequest, decode
+from pdserve.proxy.channel import NodeChannel
+from pdserve.sampling_params import SamplingParams
+from pdserve.utils import wait_at_most
+
+
+async def _cancel_as_it_completes(wait) -> str:
+    """Cancel a task waiting on ``fut`` in the loop turn that completes ``fut``."""
+    fut = asyncio.get_running_loop().create_future()
+    task = asyncio.ensure_future(wait(fut))
+    for _ in range(3):
+        await asyncio.sleep(0)
+    fut.set_result(None)
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        return "cancelled"
+    return "ran on"
+
+
+def test_wait_at_most_keeps_a_cancellation_that_comes_as_the_future_completes():
+    assert asyncio.run(_cancel_as_it_completes(lambda fut: wait_at_most(fut, 10.0))) == "cancelled"
+
+
+def test_wait_at_most_times_out_and_leaves_the_future_running():
+    async def run() -> tuple[bool, bool, bool]:
+        fut = asyncio.get_running_loop().create_future()
+        timed_out = not await wait_at_most(fut, 0.01)
+        still_pending = not fut.done()
+        fut.set_result(1)
+        return timed_out, still_pending, await wait_at_most(fut, 0.0)
+
+    assert asyncio.run(run()) == (True, True, True)
+
+
+class _Socket:
+    """Records what the channel sends (a unit test of the channel's own logic: no node)."""
+
+    def __init__(self) -> None:
+        self.sent: list[Call] = []
+
+    def send(self, data, flags=0, copy=True) -> asyncio.Future:
+        self.sent.append(decode(bytes(data), Call))
+        fut = asyncio.get_running_loop().create_future()
+        fut.set_result(None)
+        return fut
+
+
+@pytest.mark.parametrize("turns_before_open", [0, 3])
+def test_a_prefill_call_cancelled_as_its_channel_opens_never_goes_out(turns_before_open):
+    async def run() -> tuple[str, list[str]]:
+        channel = NodeChannel("http://127.0.0.1:1", "tcp://127.0.0.1:1", "token")
+        sock = _Socket()
+        channel._start = lambda: setattr(channel, "_sock", sock)  # connecting is not under test
+        request = PrefillRequest("r1", [1, 2, 3], SamplingParams(max_tokens=1))
+        task = asyncio.ensure_future(channel.prefill(request, timeout=None))
+        for _ in range(turns_before_open):
+            await asyncio.sleep(0)
+        channel._open.set()  # welcomed, in the same loop turn as the cancellation
+        channel._changed.set()
+        task.cancel()
+        done, _ = await asyncio.wait({task}, timeout=1.0)
+        outcome = "cancelled" if done and task.cancelled() else "still waiting for the node"
+        task.cancel()
+        return outcome, [type(call.body).__name__ for call in sock.sent]
+
+    outcome, sent = asyncio.run(run())
+    assert outcome == "cancelled"
+    assert "PrefillRequest" not in sent, sent
