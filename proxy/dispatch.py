@@ -537,8 +537,10 @@ class Generation:
             done, _ = await asyncio.wait({prefill, end}, return_when=asyncio.FIRST_COMPLETED)
             if prefill in done and prefill.exception() is not None:
                 # A transfer fails when its decode node dies: if the stream breaks too, the
-                # decode node is the one to blame (and the request can move).
-                decode_may_be_dead = isinstance(prefill.exception(), ProxyError)
+                # decode node is the one to blame (and the request can move). A refusal (a full
+                # queue, a bad request) is not a transfer's failure: no need to wait for that.
+                failure = prefill.exception()
+                decode_may_be_dead = isinstance(failure, ProxyError) and failure.status == 502
                 if decode_may_be_dead and await wait_at_most(end, 1.0) and not end.cancelled():
                     with contextlib.suppress(ProxyError):
                         end.result()  # raises a broken stream's NodeError
@@ -775,12 +777,15 @@ class Generation:
             # reserved. Once reserved, and once the early prompts those queues held have settled
             # (landed, or dropped with their failed reservations and aborted), ask again with the
             # landing: else admissions on the two sides could miss each other and refuse every
-            # request of a burst that the cluster could partly serve.
+            # request of a burst that the cluster could partly serve. Not for long: nobody renews
+            # the decode node's lease until a prefill node has the prompt.
             mark = early.last()
             if landing_soon is not None:
                 landing = await landing_soon
+            give_up = time.monotonic() + self.d.lease_s / 3
             for url in crowded:
-                await early.settled(url, mark)
+                if not await early.settled(url, mark, max(0.0, give_up - time.monotonic())):
+                    break
             return await self._prefill(route, landing, ask_again=False)
         if len(full) == len(failed):  # every prefill node's queue is full: the client may retry
             raise ProxyError(

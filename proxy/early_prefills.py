@@ -8,7 +8,9 @@ again once reserved; it must not be refused because of prompts that are about to
 early prefill holds a ticket until it settles: its landing is sent (it is an ordinary prefill
 from then on), its call is answered or refused, or it is dropped and its node has answered the
 abort (the node's core has let it go, so its queue no longer counts it). ``settled`` waits for
-every ticket a node held at some moment to settle.
+every ticket a node held at some moment to settle, for a bounded time: the waiting request's decode
+lease runs meanwhile, renewed by nobody, so a ticket that never settles (an abort the node does
+not answer) delays it by at most a third of the lease, after which it asks again regardless.
 
 Mutated only on the event loop.
 """
@@ -17,6 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+
+from pdserve.utils import wait_at_most
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,14 +67,15 @@ class EarlyPrefills:
     def _before(self, node_url: str, upto: int) -> bool:
         return any(n <= upto for n in self._open.get(node_url, ()))
 
-    async def settled(self, node_url: str, upto: int) -> None:
-        """Return once every ticket on ``node_url`` numbered up to ``upto`` has settled."""
+    async def settled(self, node_url: str, upto: int, timeout: float | None = None) -> bool:
+        """Wait until every ticket on ``node_url`` numbered up to ``upto`` has settled (True), or
+        ``timeout`` seconds (False)."""
         if not self._before(node_url, upto):
-            return
+            return True
         future = asyncio.get_running_loop().create_future()
         self._waiters.append((node_url, upto, future))
         try:
-            await future
+            return await wait_at_most(future, timeout)
         finally:
             if not future.done():
                 future.cancel()

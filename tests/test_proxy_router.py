@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 import pytest
@@ -397,6 +398,69 @@ def test_a_reserved_request_waits_for_the_early_prompts_that_filled_the_queue():
     asyncio.run(main())
     assert events == ["r1 queued", "r0 refused", "r1 aborted", "r0 queued with its landing"]
     assert d.early.num_open(prefill_node.url) == 0
+
+
+def test_a_reserved_request_waits_for_early_prompts_a_third_of_its_lease_at_most():
+    """As above, but the prefill node never answers r1's abort: r1's ticket never settles. r0, whose
+    decode lease nobody renews until a prefill node has its prompt, waits a third of the lease
+    (0.3 s of 0.9) and asks again anyway; the place is still taken, so r0 is refused with a 429
+    (the client may retry) long before its lease runs out, rather than waiting on with it."""
+    from pdserve.messages import LandingDescriptor
+    from pdserve.metrics import Registry
+    from pdserve.proxy.channel import NodeError
+    from pdserve.proxy.dispatch import Dispatcher
+    from pdserve.proxy.protocol import ProxyError
+    from pdserve.sampling_params import SamplingParams
+
+    r = router([info("prefill")], [info("decode", node_id="d0")])
+    decode_node, prefill_node = r.decode[0], r.prefill[0]
+    decode_node.load = NodeLoad(0, 0, 0, 100, 100, 0)
+    queue: set[str] = set()
+    events: list[str] = []
+
+    async def reserve(msg, timeout=None):
+        if msg.request_id == "r1":
+            await asyncio.sleep(0.15)
+            raise NodeError(decode_node.url, "no free blocks", 429, retry_after=1.0)
+        await asyncio.sleep(0.05)
+        return LandingDescriptor(msg.request_id, "d0", "tcp://127.0.0.1:1", list(range(4)), 64, 1e12)
+
+    async def prefill(msg, timeout=None, sent=None):
+        if queue:
+            events.append(f"{msg.request_id} refused{' with its landing' if msg.landing else ''}")
+            raise NodeError(prefill_node.url, "the node already queues 1 requests", 429, retry_after=1.0)
+        queue.add(msg.request_id)
+        events.append(f"{msg.request_id} queued")
+        if sent is not None:
+            sent.set_result(None)
+        await asyncio.sleep(3600)
+
+    async def abort(request_id, timeout=5.0):
+        await asyncio.sleep(3600)  # never answered
+
+    decode_node.client.reserve = reserve
+    decode_node.client.stream = _open_stream
+    decode_node.client.abort = lambda *a, **k: asyncio.sleep(0)
+    prefill_node.client.prefill = prefill
+    prefill_node.client.abort = abort
+    d = Dispatcher(r, Registry(), overlap_reserve=True, admission_wait_s=0, lease_s=0.9)
+
+    async def main() -> float:
+        first = d.start("r1", list(range(64)), SamplingParams(max_tokens=2), 1e9)
+        await asyncio.sleep(0.01)
+        second = d.start("r0", list(range(100, 164)), SamplingParams(max_tokens=2), 1e9)
+        start = time.monotonic()
+        with pytest.raises(ProxyError) as refused:
+            await first.next()
+        assert refused.value.status == 429
+        with pytest.raises(ProxyError) as refused:
+            await second.next()
+        assert refused.value.status == 429 and "queue is full" in refused.value.message
+        return time.monotonic() - start
+
+    waited = asyncio.run(asyncio.wait_for(main(), 5.0))  # without the bound: r0 waits forever
+    assert events == ["r1 queued", "r0 refused", "r0 refused with its landing"]
+    assert 0.25 < waited < 0.6, waited
 
 
 def test_early_prefill_tickets_settle_in_any_order():
