@@ -333,13 +333,13 @@ def test_an_early_prefill_refused_by_full_queues_is_asked_again_once_reserved():
     assert decided == ["remote_prefill"]
 
 
-def test_a_reserved_request_waits_for_the_early_prompts_that_filled_the_queue():
-    """A prefill queue of one place: r1's prompt went out early and holds it while r1's decode node
-    reserves; r0's early prompt finds the queue full. r0 is reserved first and asks again, but r1's
-    prompt is still queued (its reservation is refused only later). r0 waits until r1's early prompt
-    has settled (dropped, and its abort answered by the node) and then gets the place: a burst is
-    not refused whole because the proxy's own early prompts filled the queue (the race that made
-    every request of a burst answer 429 on a slow machine)."""
+def _early_prompt_burst(abort_answered: bool, lease_s: float = 30.0):
+    """A prefill queue of one place: r1's prompt goes out early and takes it while r1's decode node
+    reserves; r0's early prompt finds the queue full. r0 is reserved first and asks again, while
+    r1's prompt is still queued (its reservation is refused only later, with a 429). The prefill
+    node answers the abort of r1's prompt after 20 ms (``abort_answered``) or never; it refuses
+    r0's prompt with its landing with a 400 once queued (that ends r0: enough here). What the
+    prefill node saw, r0's outcome and how long r0 took after r1 started."""
     from pdserve.messages import LandingDescriptor
     from pdserve.metrics import Registry
     from pdserve.proxy.channel import NodeError
@@ -361,19 +361,20 @@ def test_a_reserved_request_waits_for_the_early_prompts_that_filled_the_queue():
         return LandingDescriptor(msg.request_id, "d0", "tcp://127.0.0.1:1", list(range(4)), 64, 1e12)
 
     async def prefill(msg, timeout=None, sent=None):
+        landed = " with its landing" if msg.landing else ""
         if queue:
-            events.append(f"{msg.request_id} refused")
+            events.append(f"{msg.request_id} refused{landed}")
             raise NodeError(prefill_node.url, "the node already queues 1 requests", 429, retry_after=1.0)
         queue.add(msg.request_id)
-        events.append(f"{msg.request_id} queued{' with its landing' if msg.landing else ''}")
+        events.append(f"{msg.request_id} queued{landed}")
         if sent is not None:
             sent.set_result(None)
         if msg.landing is not None:
-            raise NodeError(prefill_node.url, "bad request", 400)  # ends r0's attempt: enough here
+            raise NodeError(prefill_node.url, "bad request", 400)
         await asyncio.sleep(3600)  # waits for a landing that never comes (r1)
 
     async def abort(request_id, timeout=5.0):
-        await asyncio.sleep(0.02)  # the node's core lets the prompt go, then answers
+        await asyncio.sleep(0.02 if abort_answered else 3600)  # the node's core lets the prompt go
         queue.discard(request_id)
         events.append(f"{request_id} aborted")
 
@@ -382,85 +383,46 @@ def test_a_reserved_request_waits_for_the_early_prompts_that_filled_the_queue():
     decode_node.client.abort = lambda *a, **k: asyncio.sleep(0)
     prefill_node.client.prefill = prefill
     prefill_node.client.abort = abort
-    d = Dispatcher(r, Registry(), overlap_reserve=True, admission_wait_s=0)
+    d = Dispatcher(r, Registry(), overlap_reserve=True, admission_wait_s=0, lease_s=lease_s)
 
-    async def main() -> None:
+    async def main() -> tuple[ProxyError, float]:
+        start = time.monotonic()
         first = d.start("r1", list(range(64)), SamplingParams(max_tokens=2), 1e9)
         await asyncio.sleep(0.01)
         second = d.start("r0", list(range(100, 164)), SamplingParams(max_tokens=2), 1e9)
         with pytest.raises(ProxyError) as refused:
             await first.next()
         assert refused.value.status == 429
-        with pytest.raises(ProxyError, match="bad request"):
+        with pytest.raises(ProxyError) as ended:
             await second.next()
+        took = time.monotonic() - start
         await asyncio.sleep(0.05)
+        return ended.value, took
 
-    asyncio.run(main())
+    ended, took = asyncio.run(asyncio.wait_for(main(), 5.0))  # r0 must not wait forever
+    return events, ended, took, d.early.num_open(prefill_node.url)
+
+
+def test_a_reserved_request_waits_for_the_early_prompts_that_filled_the_queue():
+    """r0 waits until r1's early prompt has settled (dropped, and its abort answered by the node)
+    and then gets the place: a burst is not refused whole because the proxy's own early prompts
+    filled the queue (the race that made every request of a burst answer 429 on a slow machine)."""
+    events, ended, _, still_open = _early_prompt_burst(abort_answered=True)
     assert events == ["r1 queued", "r0 refused", "r1 aborted", "r0 queued with its landing"]
-    assert d.early.num_open(prefill_node.url) == 0
+    assert ended.status == 400 and still_open == 0
 
 
 def test_a_reserved_request_waits_for_early_prompts_a_third_of_its_lease_at_most():
-    """As above, but the prefill node never answers r1's abort: r1's ticket never settles. r0, whose
-    decode lease nobody renews until a prefill node has its prompt, waits a third of the lease
-    (0.3 s of 0.9) and asks again anyway; the place is still taken, so r0 is refused with a 429
-    (the client may retry) long before its lease runs out, rather than waiting on with it."""
-    from pdserve.messages import LandingDescriptor
-    from pdserve.metrics import Registry
-    from pdserve.proxy.channel import NodeError
-    from pdserve.proxy.dispatch import Dispatcher
-    from pdserve.proxy.protocol import ProxyError
-    from pdserve.sampling_params import SamplingParams
-
-    r = router([info("prefill")], [info("decode", node_id="d0")])
-    decode_node, prefill_node = r.decode[0], r.prefill[0]
-    decode_node.load = NodeLoad(0, 0, 0, 100, 100, 0)
-    queue: set[str] = set()
-    events: list[str] = []
-
-    async def reserve(msg, timeout=None):
-        if msg.request_id == "r1":
-            await asyncio.sleep(0.15)
-            raise NodeError(decode_node.url, "no free blocks", 429, retry_after=1.0)
-        await asyncio.sleep(0.05)
-        return LandingDescriptor(msg.request_id, "d0", "tcp://127.0.0.1:1", list(range(4)), 64, 1e12)
-
-    async def prefill(msg, timeout=None, sent=None):
-        if queue:
-            events.append(f"{msg.request_id} refused{' with its landing' if msg.landing else ''}")
-            raise NodeError(prefill_node.url, "the node already queues 1 requests", 429, retry_after=1.0)
-        queue.add(msg.request_id)
-        events.append(f"{msg.request_id} queued")
-        if sent is not None:
-            sent.set_result(None)
-        await asyncio.sleep(3600)
-
-    async def abort(request_id, timeout=5.0):
-        await asyncio.sleep(3600)  # never answered
-
-    decode_node.client.reserve = reserve
-    decode_node.client.stream = _open_stream
-    decode_node.client.abort = lambda *a, **k: asyncio.sleep(0)
-    prefill_node.client.prefill = prefill
-    prefill_node.client.abort = abort
-    d = Dispatcher(r, Registry(), overlap_reserve=True, admission_wait_s=0, lease_s=0.9)
-
-    async def main() -> float:
-        first = d.start("r1", list(range(64)), SamplingParams(max_tokens=2), 1e9)
-        await asyncio.sleep(0.01)
-        second = d.start("r0", list(range(100, 164)), SamplingParams(max_tokens=2), 1e9)
-        start = time.monotonic()
-        with pytest.raises(ProxyError) as refused:
-            await first.next()
-        assert refused.value.status == 429
-        with pytest.raises(ProxyError) as refused:
-            await second.next()
-        assert refused.value.status == 429 and "queue is full" in refused.value.message
-        return time.monotonic() - start
-
-    waited = asyncio.run(asyncio.wait_for(main(), 5.0))  # without the bound: r0 waits forever
+    """The prefill node never answers the abort of r1's prompt: r1's ticket never settles. r0,
+    whose decode lease nobody renews until a prefill node has its prompt, waits a third of the
+    lease (0.3 s of 0.9) and asks again anyway; the place is still taken, so r0 is refused with a
+    429 (the client may retry) long before its lease runs out, rather than waiting on with it. A
+    refused prefill is answered at once (not after the 1 s a failed transfer waits for its decode
+    stream to break)."""
+    events, ended, took, _ = _early_prompt_burst(abort_answered=False, lease_s=0.9)
     assert events == ["r1 queued", "r0 refused", "r0 refused with its landing"]
-    assert 0.25 < waited < 0.6, waited
+    assert ended.status == 429 and "queue is full" in ended.message
+    assert 0.3 < took < 0.7, took
 
 
 def test_early_prefill_tickets_settle_in_any_order():
