@@ -43,7 +43,6 @@ renewals, each field written by one thread.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import enum
 import logging
@@ -613,8 +612,7 @@ def add_prefill_calls(channel: ChannelServer, state: NodeState) -> None:
             refuse(awaited, error)  # the prefill fails at once, not at its landing timeout
             raise NodeRefused(500, error, "prefill_failed")  # a cluster bug, not the client's
         if not awaited.added.done():
-            with contextlib.suppress(asyncio.CancelledError):
-                await asyncio.shield(awaited.added)
+            await wait_at_most(awaited.added, None)  # this call's own cancellation is not swallowed
             if awaited.added.cancelled():  # the prefill ended before it reached the core
                 raise NodeRefused(404, f"the prefill of {rid!r} ended before its landing came", "not_found")
         try:

@@ -1,5 +1,6 @@
 """A cancellation is never lost: ``pdserve.utils.wait_at_most`` (the proxy's and the prefill node's
-bounded waits) and a proxy's prefill call cancelled as its request channel opens.
+bounded waits), a proxy's prefill call cancelled as its request channel opens, a prefill node's
+landing call cancelled while its prompt reaches the engine core.
 
 On Python 3.10 and 3.11 ``asyncio.wait_for`` returns the result when the cancellation comes in the
 loop turn in which the awaited future completes. A prefill call cancelled that way (its request's
@@ -11,10 +12,21 @@ that queue lost their decode leases.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import types
 
 import pytest
 
-from pdserve.messages import Call, PrefillRequest, decode
+from pdserve.messages import (
+    AddPrefill,
+    Call,
+    LandingDescriptor,
+    LandPrefill,
+    PrefillLanding,
+    PrefillRequest,
+    decode,
+)
+from pdserve.prefill_node.server import add_prefill_calls
 from pdserve.proxy.channel import NodeChannel
 from pdserve.sampling_params import SamplingParams
 from pdserve.utils import wait_at_most
@@ -84,3 +96,56 @@ def test_a_prefill_call_cancelled_as_its_channel_opens_never_goes_out(turns_befo
     outcome, sent = asyncio.run(run())
     assert outcome == "cancelled"
     assert "PrefillRequest" not in sent, sent
+
+
+def test_a_landing_call_cancelled_while_its_prompt_reaches_the_core_lands_nothing():
+    """The prefill node's ``PrefillLanding`` handler waits for its prompt to reach the engine core;
+    cancelled meanwhile (its proxy gone), it ends there, and never hands the core the landing
+    (a suppressed CancelledError had it run on)."""
+    handlers: dict = {}
+    core_calls: list[str] = []
+
+    class _Core:
+        async def call(self, msg):
+            core_calls.append(type(msg).__name__)
+            await asyncio.sleep(3600)  # the prompt is still on its way to the core
+
+        def send(self, msg):
+            pass
+
+    @contextlib.asynccontextmanager
+    async def admission(deadline):
+        yield
+
+    state = types.SimpleNamespace(
+        info=types.SimpleNamespace(block_size=16),
+        core=_Core(),
+        admission=admission,
+        transfers={},
+        subs=types.SimpleNamespace(subscribe=lambda rid: None),
+        end_request=lambda rid, why: None,
+    )
+    channel = types.SimpleNamespace(handle=lambda kind, fn: handlers.__setitem__(kind, fn))
+    add_prefill_calls(channel, state)
+
+    async def run() -> tuple[str, list[str]]:
+        prompt = list(range(40))  # 3 blocks
+        prefill = asyncio.ensure_future(
+            handlers[PrefillRequest](None, PrefillRequest("r1", prompt, SamplingParams(max_tokens=1)))
+        )
+        await asyncio.sleep(0)
+        landing = LandingDescriptor("r1", "d0", "tcp://127.0.0.1:1", [4, 5, 6], len(prompt), 1e12)
+        land = asyncio.ensure_future(handlers[PrefillLanding](None, PrefillLanding(landing)))
+        for _ in range(3):
+            await asyncio.sleep(0)
+        land.cancel()
+        done, _ = await asyncio.wait({land}, timeout=1.0)
+        outcome = "cancelled" if done and land.cancelled() else "ran on"
+        for task in (land, prefill):
+            task.cancel()
+        await asyncio.gather(land, prefill, return_exceptions=True)
+        return outcome, core_calls
+
+    outcome, calls = asyncio.run(run())
+    assert calls[:1] == [AddPrefill.__name__]
+    assert outcome == "cancelled" and LandPrefill.__name__ not in calls, (outcome, calls)
