@@ -20,7 +20,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from pdserve.kv_transfer.base import KVLayout, KVReceiver, KVTransferError, ReservationTable, check_compatible
 from pdserve.kv_transfer.control import MAX_MESSAGE_BYTES
-from pdserve.kv_transfer.lane import TOKEN_BYTES, LaneClosed, ReceiverLane, open_local_listener
+from pdserve.kv_transfer.lane import TOKEN_BYTES, LaneClosed, ReceiverLane, Sink, open_local_listener
 from pdserve.kv_transfer.messages import (
     REQUESTS,
     KVAck,
@@ -34,7 +34,7 @@ from pdserve.kv_transfer.messages import (
     KVSetup,
     KVSetupReply,
 )
-from pdserve.kv_transfer.plane import Outbox, ReceiverPlane
+from pdserve.kv_transfer.plane import Landing, Outbox, ReceiverPlane
 from pdserve.messages import NodeInfo, decode, encode
 from pdserve.utils import YIELD_S, precise_sleeps
 
@@ -47,6 +47,9 @@ MESSAGES_PER_TURN = 16
 """Messages the receiver's control thread takes in a row before it polls its planes again."""
 LANE_TOKEN_S = 5.0
 """A lane that has not presented a token this long after it was accepted is closed."""
+STREAM_CHECK_MS = 2
+"""While a payload streams in on a lane, the control thread turns at least this often (ms) to see
+whether its reservation is gone: the engine thread's ``release`` waits for the payload's pin."""
 MAX_PENDING_LANES = 64
 """Lanes accepted and not yet bound by a token, at most (the oldest is closed first): bounds what
 connections to the lane port that never present a token can make the node hold."""
@@ -96,6 +99,19 @@ class _Conn:
     transport: str = ""  # agreed at set-up; "" before
     lane: ReceiverLane | None = None  # the session's lane, once its sender opened it
     lane_token: bytes = b""  # the token its last set-up handed out, until a lane presents it
+
+
+class _Dropped(Landing):
+    """A payload read off its lane and dropped: taking it failed here."""
+
+    def __init__(self, nbytes: int, error: str) -> None:
+        self.nbytes, self.views, self.error = nbytes, [], error
+
+    def live(self) -> bool:
+        return True
+
+    def end(self, error: str) -> str:
+        return self.error
 
 
 class _Outbox(Outbox):
@@ -162,6 +178,7 @@ class ControlReceiver(KVReceiver):
         self._lane_path = ""  # the abstract Unix socket name lanes from this host take ("" off Linux)
         self._lane_sweep_at = 0.0
         self._broken_lanes: list[tuple[ReceiverLane, str]] = []  # write failed: closed next turn
+        self._streams: dict[ReceiverLane, tuple[Sink, Landing]] = {}  # payloads coming in on lanes
         self._warn = WarnLimiter()
         self.num_refused = 0  # messages refused (tests and logs)
 
@@ -278,7 +295,12 @@ class ControlReceiver(KVReceiver):
             # Turn again soon, but yield the GIL first: a spin on poll(0) alone would take it
             # back before the engine thread gets a turn (measured: 4x slower small Python work).
             time.sleep(YIELD_S)
-        events = dict(poller.poll(0 if busy else 100))
+        if self._streams:  # a payload coming in whose reservation went: stop writing, unpin now
+            for sink, landing in list(self._streams.values()):
+                if not sink.dropping and not landing.live():
+                    sink.drop("the reservation was released while its KV came in")
+                    landing.end("the reservation was released while its KV came in")
+        events = dict(poller.poll(0 if busy else STREAM_CHECK_MS if self._streams else 100))
         if pull in events:
             while True:
                 try:
@@ -406,6 +428,9 @@ class ControlReceiver(KVReceiver):
         if isinstance(msg, (KVHandshake, KVSetup)):  # those belong on the control connection
             self._refused("closing a KV lane that carried a %s", type(msg).__name__)
             raise LaneClosed(f"a {type(msg).__name__} on the lane")
+        if msg.payload_frames:  # its payload follows, raw
+            self._expect(lane, conn, msg, table, on_commit)
+            return
         try:
             reply = self._dispatch(lane.peer, conn, msg, (), table, on_commit)
         except Exception as e:  # a bad message must never take the node down
@@ -413,12 +438,55 @@ class ControlReceiver(KVReceiver):
         if reply is not None:
             self._send_to(lane.peer, encode(reply))
 
+    def _expect(self, lane: ReceiverLane, conn: _Conn, msg: KVMessage, table, on_commit) -> None:
+        """A data message whose payload follows it on the lane: the plane says where its bytes go
+        (``ReceiverPlane.land``); once they all came, the message is answered as on the control
+        connection (its refusal, or its commit's ack). A message no plane can take the payload of,
+        or whose header does not say its length, closes the lane: the bytes that follow it could
+        not be told from the next message."""
+        plane = self.planes.get(conn.transport)
+        commit = getattr(msg, "commit", None)
+        why = ""
+        if plane is None or not plane.lane or not isinstance(msg, plane.messages):
+            why = f"{type(msg).__name__} with a payload on a lane set up for {conn.transport or 'nothing'}"
+        elif commit is not None and commit.request_id != msg.request_id:
+            why = f"carries the commit of another request, {_short(commit.request_id)}"
+        else:
+            try:
+                landing = plane.land(lane.peer, msg)
+            except ValueError as e:  # a header that does not hold up
+                why = str(e)
+            except Exception as e:  # a fault here, not the peer's: the request fails, the bytes are dropped
+                self._warn.warning("KV receiver: handling %s failed", type(msg).__name__, exc_info=True)
+                landing = _Dropped(msg.nbytes, f"the decode node failed on it: {type(e).__name__}: {e}")
+        if why:
+            self._refuse(msg, why, table)
+            raise LaneClosed(f"a {type(msg).__name__} whose payload cannot be taken: {why}")
+
+        def done(error: str) -> None:
+            self._streams.pop(lane, None)
+            error = landing.end(error)
+            if lane.closed:  # its connection is gone, and nobody waits for an answer on it
+                return
+            if error:
+                reply = self._refuse(msg, error, table)
+            else:
+                reply = self._commit(commit, table, on_commit) if commit is not None else None
+            if reply is not None:
+                self._send_to(lane.peer, encode(reply))
+
+        sink = Sink(landing.nbytes, landing.views, done)
+        if landing.error:  # refused (blocks not reserved, say): its bytes are read and dropped
+            sink.drop(landing.error)
+        self._streams[lane] = (sink, landing)
+        lane.expect(sink)
+
     def _close_lane(self, lane: ReceiverLane, why: str, forget: bool = True) -> None:
         """Close ``lane``; the connection it belongs to goes with it (``forget``): its sender starts
         afresh, as after its control connection closed."""
         if self._lanes.pop(lane.fd, None) is not None:
             self._poller.unregister(lane.fd)
-        lane.close()
+        lane.close(f"the lane closed inside a payload: {why}")
         peer, lane.peer = lane.peer, None
         conn = self._conns.get(peer) if peer is not None else None
         if conn is not None and conn.lane is lane:

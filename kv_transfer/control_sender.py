@@ -254,14 +254,17 @@ class _Peer(ControlLink):
             if self.session is not None:  # a data plane's report (nixl: a READ over) while waiting
                 self.session.received(msg)
 
+    @property
+    def streams(self) -> bool:
+        return self.lane is not None
+
     def send(self, frames: list, deadline: float) -> None:
         if self.lane is not None:
-            if len(frames) != 1:
-                raise KVTransferError(f"a message of {len(frames)} frames for a lane (which carries one)")
             if self._posting:
+                assert len(frames) == 1, "a message with a payload is never posted"
                 self.lane.post(frames[0])
-            else:
-                self.lane.send(frames[0], deadline)
+            else:  # a payload follows its header as raw bytes (``kv_transfer.lane``)
+                self.lane.send(frames[0], deadline, [memoryview(f) for f in frames[1:]])
             return
         while True:
             try:

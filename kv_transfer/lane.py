@@ -10,8 +10,13 @@ file descriptors beside ZeroMQ sockets), and the peer thread reads the answer of
 Measured on the 2-core CPU box, the same round trip through a queue, a thread and a socket: 97 us
 p50 against 239 over ZeroMQ back to back, 309 against 627 after 10 ms idle.
 
-Only planes whose messages are small and carry no payload frames (``ReceiverPlane.lane``: nixl,
-nccl) take a lane; the zmq plane's frames stay on ZeroMQ. The handshake and set-up stay on the
+Planes whose messages are small (nixl, nccl) take a lane, and so does zmq into a cache in host
+memory (``ReceiverPlane.lane``): its payload frames follow their header on the lane as raw bytes
+(``SenderLane.send`` of several frames), which the decode node's control thread reads straight
+into the reserved blocks (``ReceiverLane.expect``): one copy out of the kernel, as a plain socket's
+``recv_into``, where ZeroMQ's I/O thread read them into its own buffer first and the control thread
+copied them again (on the 2-core box three busy threads on two cores: 0.61-0.83 of a raw socket).
+The handshake and set-up stay on the
 control connection, which stays the session's identity: the set-up reply hands the sender a lane
 port and a one-time token (``KVSetupReply.lane``), the sender opens a TCP connection there and
 presents the token first (``KVLane`` -> ``KVLaneReply``); from then on every message of the
@@ -26,7 +31,9 @@ and keeps its messages on the control connection.
 
 Framing: each message is a 4-byte little-endian length, then the message (``encode``). A frame
 longer than the receiver's limit, a token that does not match, or anything but ``KVLane`` first
-closes the lane.
+closes the lane. A message with a payload is followed by the payload's bytes, unframed: as many as
+its header says (``KVBlocks.nbytes``); a header the receiver cannot trust with that number closes
+the lane, and a payload it refuses (blocks not reserved, say) is read and dropped.
 """
 
 from __future__ import annotations
@@ -37,12 +44,15 @@ import socket
 import struct
 import sys
 import time
+from collections.abc import Callable, Iterator, Sequence
 
 from pdserve.kv_transfer.base import KVTransferError
 
 LENGTH = struct.Struct("<I")
 READ_BYTES = 1 << 18
 """What one ``recv`` takes off a lane at most."""
+DROP_BYTES = 1 << 18
+"""The scratch buffer a refused payload is read into and dropped."""
 TOKEN_BYTES = 16
 FIRST_FRAME_BYTES = 256
 """The longest first frame (``KVLane``) a receiver takes: a lane that has not presented its token
@@ -84,6 +94,71 @@ class FrameReader:
             return None
         self._pos = end
         return bytes(buf[pos + LENGTH.size : end])
+
+    def take(self, into: memoryview) -> int:
+        """Move buffered bytes that are not a frame yet (a payload's first bytes, read with its
+        header) into ``into``; how many."""
+        n = min(len(self._buf) - self._pos, len(into))
+        into[:n] = self._buf[self._pos : self._pos + n]
+        self._pos += n
+        return n
+
+
+class Sink:
+    """Where a payload that follows its header on a lane goes: ``nbytes`` into ``views`` in order
+    (their lengths sum to it; none: every byte is read and dropped). ``done(error)`` runs once,
+    when the last byte came ("") or the lane closed first (why); ``drop(why)`` stops writing into
+    the views (what is left is read and dropped) and ``done`` then gets ``why``."""
+
+    def __init__(self, nbytes: int, views: Sequence[memoryview], done: Callable[[str], None]) -> None:
+        self.left = nbytes
+        self._views = [v.cast("B") if v.format != "B" or v.ndim != 1 else v for v in views]
+        self._index = 0
+        self._offset = 0
+        self._done: Callable[[str], None] | None = done
+        self.error = ""
+        total = sum(len(v) for v in self._views)
+        if self._views and total != nbytes:
+            raise ValueError(f"views of {total} bytes for a payload of {nbytes}")
+        self._scratch: memoryview | None = None if self._views else memoryview(bytearray(DROP_BYTES))
+
+    @property
+    def dropping(self) -> bool:
+        return self._scratch is not None
+
+    def target(self) -> memoryview:
+        """Where the next bytes go (at most ``left`` of them)."""
+        if self._scratch is not None:
+            return self._scratch[: min(len(self._scratch), self.left)]
+        view = self._views[self._index]
+        return view[self._offset : self._offset + min(len(view) - self._offset, self.left)]
+
+    def advance(self, n: int) -> bool:
+        """``n`` bytes were written into ``target()``; True once the payload is whole."""
+        self.left -= n
+        if self._scratch is None:
+            self._offset += n
+            while self._index < len(self._views) and self._offset == len(self._views[self._index]):
+                self._index, self._offset = self._index + 1, 0
+        if self.left:
+            return False
+        self._finish(self.error)
+        return True
+
+    def drop(self, why: str) -> None:
+        if self._scratch is None:
+            self._views = []
+            self._scratch = memoryview(bytearray(min(DROP_BYTES, max(self.left, 1))))
+        self.error = self.error or why
+
+    def fail(self, why: str) -> None:
+        """The lane closed before the payload was whole."""
+        self._finish(self.error or why)
+
+    def _finish(self, error: str) -> None:
+        done, self._done = self._done, None
+        if done is not None:
+            done(error)
 
 
 def _write_some(sock: socket.socket, out: bytearray) -> None:
@@ -134,30 +209,74 @@ class ReceiverLane:
         self.out = bytearray()
         self.peer: bytes | None = None  # the control connection it belongs to, once its token matched
         self.opened = time.monotonic()
+        self.sink: Sink | None = None  # the payload coming in now (``expect``)
+        self.closed = False
 
     def bind(self, peer: bytes) -> None:
         """Its token matched the set-up of ``peer``'s connection: frames up to ``max_bytes`` now."""
         self.peer = peer
         self.reader.max_bytes = self.max_bytes
 
-    def read(self) -> list[bytes]:
-        """The whole frames that arrived; raises LaneClosed once the sender closed or broke it."""
+    def read(self) -> Iterator[bytes]:
+        """The whole frames that arrived, one at a time; between them, a payload announced by the one
+        before (``expect``) goes into its sink, straight off the socket. Ends once the socket has
+        nothing more now; raises LaneClosed once the sender closed or broke it."""
+        more = True  # the socket may hold more (its last read filled the buffer)
         while True:
-            try:
-                data = self.sock.recv(READ_BYTES)
-            except (BlockingIOError, InterruptedError):
-                break
-            except OSError as e:
-                raise LaneClosed(f"lane broken: {e}") from None
-            if not data:
-                raise LaneClosed("the sender closed the lane")
-            self.reader.feed(data)
-            if len(data) < READ_BYTES:
-                break
-        frames = []
-        while (body := self.reader.next()) is not None:
-            frames.append(body)
-        return frames
+            if self.sink is not None:
+                if not self._fill():
+                    return
+                more = True
+                continue
+            body = self.reader.next()
+            if body is not None:
+                yield body
+                continue
+            n = self._recv() if more else 0
+            if not n:
+                return
+            more = n == READ_BYTES
+
+    def expect(self, sink: Sink) -> None:
+        """The frame just read announced a payload: its bytes come next, into ``sink``."""
+        assert self.sink is None, "a payload announced while another one is still coming"
+        self.sink = sink
+        if not sink.left:
+            self.sink = None
+            sink.advance(0)
+
+    def _recv(self) -> int:
+        """Read what the socket has (up to READ_BYTES) into the frame reader; how many bytes."""
+        try:
+            data = self.sock.recv(READ_BYTES)
+        except (BlockingIOError, InterruptedError):
+            return 0
+        except OSError as e:
+            raise LaneClosed(f"lane broken: {e}") from None
+        if not data:
+            raise LaneClosed("the sender closed the lane")
+        self.reader.feed(data)
+        return len(data)
+
+    def _fill(self) -> bool:
+        """Move payload bytes into the sink: those read with its header first, then off the socket
+        (``recv_into``); False once the socket has none now, True once the payload is whole."""
+        sink = self.sink
+        while True:
+            target = sink.target()
+            n = self.reader.take(target)
+            if not n:
+                try:
+                    n = self.sock.recv_into(target)
+                except (BlockingIOError, InterruptedError):
+                    return False
+                except OSError as e:
+                    raise LaneClosed(f"lane broken: {e}") from None
+                if not n:
+                    raise LaneClosed("the sender closed the lane inside a payload")
+            if sink.advance(n):
+                self.sink = None
+                return True
 
     def write(self, body: bytes) -> None:
         self.out += frame(body)
@@ -171,8 +290,13 @@ class ReceiverLane:
         if len(self.out) > self.max_out:
             raise LaneClosed(f"the sender left {len(self.out)} bytes of replies unread")
 
-    def close(self) -> None:
+    def close(self, why: str = "the lane closed") -> None:
+        """Close it; a payload still coming fails with ``why``."""
+        self.closed = True
         self.sock.close()
+        sink, self.sink = self.sink, None
+        if sink is not None:
+            sink.fail(why)
 
 
 class SenderLane:
@@ -216,12 +340,28 @@ class SenderLane:
             return None
         return cls(sock, max_bytes)
 
-    def send(self, body: bytes | memoryview, deadline: float) -> None:
-        """Write one message; raises KVTransferError if the peer does not take it by ``deadline``
-        (part of it may have gone: the lane is done for then)."""
+    def send(self, body: bytes | memoryview, deadline: float, payload: Sequence[memoryview] = ()) -> None:
+        """Write one message, then its ``payload``'s bytes as they lie (unframed: the message says
+        how many); raises KVTransferError if the peer does not take them by ``deadline`` (part of
+        them may have gone: the lane is done for then)."""
         self._out += frame(body)
         if not self.flush(deadline):
             raise KVTransferError("the KV peer did not take a lane message in time")
+        for view in payload:
+            view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+            sent = 0
+            while sent < len(view):
+                try:
+                    sent += self.sock.send(view[sent:])
+                    continue
+                except (BlockingIOError, InterruptedError):
+                    pass
+                except OSError as e:
+                    raise LaneClosed(f"lane broken: {e}") from None
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise KVTransferError("the KV peer did not take a payload in time")
+                self._writable.poll(max(int(left * 1000 + 0.999), 1))
 
     def post(self, body: bytes | memoryview) -> None:
         """Write one message without waiting: the caller's thread must never block on the peer."""

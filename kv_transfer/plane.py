@@ -41,15 +41,42 @@ class ControlLink(ABC):
 
     address: str
 
+    @property
+    @abstractmethod
+    def streams(self) -> bool:
+        """Whether the session's messages travel on a lane (``kv_transfer.lane``): payload frames
+        then go as raw bytes straight from their memory, which may be reused once ``send``
+        returned; on ZeroMQ, a frame sent without a copy is read later by its I/O thread."""
+
     @abstractmethod
     def send(self, frames: list, deadline: float) -> None:
-        """Send one multipart message (first frame: an encoded message); raises KVTransferError
-        when the peer does not take it before ``deadline``."""
+        """Send one multipart message (first frame: an encoded message; on a lane, payload frames
+        are buffers); raises KVTransferError when the peer does not take it before ``deadline``."""
 
     @abstractmethod
     def recv(self, deadline: float, kind, resend: list | None = None, idle: Callable[[], None] | None = None):
         """The next reply of type ``kind`` (others are skipped); ``idle`` runs every millisecond
         without one. Raises KVTransferError at ``deadline``."""
+
+
+class Landing(ABC):
+    """A payload coming in on a lane (``ReceiverPlane.land``): ``nbytes`` into ``views`` in order,
+    pinned in the reservation table (``begin``) unless refused (``error``; no views: the bytes are
+    read and dropped)."""
+
+    nbytes: int
+    views: list[memoryview]
+    error: str
+
+    @abstractmethod
+    def live(self) -> bool:
+        """False once the reservation it writes into is gone (released, expired): the control
+        thread then stops writing into the views and ends it at once."""
+
+    @abstractmethod
+    def end(self, error: str) -> str:
+        """The payload is over, or given up (``error``): unpin (once; later calls only answer).
+        "" when it landed, else why not."""
 
 
 class ReceiverPlane(ABC):
@@ -68,7 +95,8 @@ class ReceiverPlane(ABC):
       then fails that request in the table, logs, and answers ``msg.refused(why)``. It writes into
       the cache only as the ``ReservationTable`` allows (``write`` under its lock, or ``begin`` ..
       ``end`` around a transfer it cannot stop at will, bounded by a deadline). Nothing a peer
-      sends may raise out of it.
+      sends may raise out of it. A data message whose payload follows it on the lane goes to
+      ``land`` instead, which says where its bytes go; the host answers once they came.
     * On abort or refusal the plane takes no further part: the host fails the request and the
       commit is refused; the engine thread's ``release`` waits for what the plane pinned.
     * ``drop``: the peer's connection closed or set up again: forget its session (transfers in
@@ -84,9 +112,10 @@ class ReceiverPlane(ABC):
     and acks it through the outbox); otherwise the control thread commits directly."""
     max_message_bytes: int = 0
     """The largest message with its payload frames that this plane's senders send (0: small)."""
-    lane: ClassVar[bool] = False
+    lane: bool = False
     """Whether a session of this plane moves its messages onto a lane once set up
-    (``kv_transfer.lane``): for planes whose messages are small and carry no payload frames."""
+    (``kv_transfer.lane``): where its messages are small, or their payload can land through
+    ``land`` (set by ``start`` where it depends on the cache)."""
 
     def __init__(self) -> None:
         self.bytes_received = 0
@@ -111,6 +140,11 @@ class ReceiverPlane(ABC):
     def handle(self, peer: bytes, msg: KVMessage, payload: Sequence) -> str:
         """A data message of this plane (or a KVCommit when ``handles_commit``) from ``peer``;
         "" when taken, else why it is refused."""
+
+    def land(self, peer: bytes, msg: KVMessage) -> Landing:
+        """A data message whose payload follows it on the lane, as raw bytes: where they go. Raises
+        ValueError when the header cannot be trusted with the payload's length (the lane closes)."""
+        raise NotImplementedError(f"{self.name} takes no payload on a lane")
 
     def poll(self) -> bool:
         """The control thread calls this on every turn of its loop: work the plane does there

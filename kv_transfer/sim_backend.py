@@ -2,9 +2,10 @@
 
 A simulated engine (``pdserve.engine.sim``) keeps a KV cache with real block ids and layers but a
 payload of one element per layer, K/V and block. This plane moves that payload exactly as the zmq
-plane does (frames on the control connection, validated against the reservation table, so leases,
-refusals, commits and aborts run for real) and, before the frames leave, holds the peer's queue for
-the time the simulated model's real blocks would take on the calibrated link:
+plane does (on the session's lane, or in frames on the control connection, validated against the
+reservation table, so leases, refusals, commits and aborts run for real) and, before the payload
+leaves, holds the peer's queue for the time the simulated model's real blocks would take on the
+calibrated link:
 ``latency_s + blocks x bytes_per_block / gbps``. Each prefill-decode pair is one link: a pair's
 sends queue behind each other (one thread per peer runs them in order), other pairs' do not. Both
 ends count the real bytes in ``bytes_sent``/``bytes_received`` (the nodes' KV transfer metrics).
@@ -16,7 +17,6 @@ for it alone (``pdserve.node.framework``), passing ``SimOptions`` from its calib
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -55,13 +55,12 @@ class SimReceiverPlane(ZmqReceiverPlane):
     def setup(self, peer: bytes, msg: KVSetup) -> KVSetupReply:
         return KVSetupReply(ok=True, transport="sim")
 
-    def handle(self, peer: bytes, msg: KVBlocks, payload: Sequence) -> str:
-        received = self.bytes_received
-        error = super().handle(peer, msg, payload)
-        if not error and self.sim.bytes_per_block:
-            layers = (msg.layer_end - msg.layer_start) / self.kv.shape[0]
-            self.bytes_received = received + round(len(msg.block_ids) * layers * self.sim.bytes_per_block)
-        return error
+    def landed(self, msg: KVBlocks) -> None:
+        if not self.sim.bytes_per_block:
+            super().landed(msg)
+            return
+        layers = (msg.layer_end - msg.layer_start) / self.kv.shape[0]
+        self.bytes_received += round(len(msg.block_ids) * layers * self.sim.bytes_per_block)
 
 
 class SimSenderPlane(ZmqSenderPlane):

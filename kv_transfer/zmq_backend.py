@@ -1,19 +1,35 @@
-"""The zmq KV transport: the blocks travel as frames on the control connection itself.
+"""The zmq KV transport: the blocks travel on the session's own connections, no other library.
 
 ``[KVBlocks, payload...]``: layers ``[layer_start, layer_end)`` of the listed destination blocks.
-No reply: frames stream back to back, and an error is kept for the commit's ack. A message must
-name a layer range inside the model, distinct block ids, payload frames whose number and byte
-lengths are exactly what its header and the agreed shape imply, and blocks all reserved for its
-request (``ReservationTable``).
+No reply: messages stream back to back, and an error is kept for the commit's ack. A message must
+name a layer range inside the model, distinct block ids, a payload whose byte length is exactly
+what its header and the agreed shape imply, and blocks all reserved for its request
+(``ReservationTable``).
 
-Sender (the peer's thread, in ``deliver``; nothing is copied on the engine thread). Per layer
-chunk of at most ``max_frame_bytes``, one message:
+**On the session's lane** (``kv_transfer.lane``; a decode node whose cache is in host memory
+offers one): the header, then the payload as raw bytes. The sender writes them straight out of
+its cache, region by region (``run_regions`` of the runs of blocks consecutive in both caches,
+however short: a region costs a ``send`` call, not a message), and the decode node's control
+thread reads them straight into the reserved blocks (``ZmqReceiverPlane.land``: the regions of
+this cache, pinned in the table with ``begin`` until the last byte came): one copy on each side,
+the kernel's, as a plain socket. Over ZeroMQ frames the receiver's I/O thread read each frame into
+its own buffer and the control thread copied it again: on the 2-core box three busy threads on two
+cores, 0.61-0.83 of a raw loopback socket at 64 / 256 MiB, against 0.93 / 0.95 over a TCP lane and
+1.17 / 1.18 over the Unix socket of a lane between nodes on one host
+(``docs/benchmarks/kv_transfer_zmq_lane_cpu.json``). A payload that comes in while its reservation
+is released (the engine thread's ``release`` waits for the pin) is cut short: the control thread
+looks every ``STREAM_CHECK_MS`` while one comes in, drops the rest unread into the blocks, and
+the commit riding with it is refused; a refused payload is read and dropped.
+
+**In ZeroMQ frames on the control connection** (a decode node whose cache is on a GPU, or a sender
+that cannot reach the lane). Sender (the peer's thread, in ``deliver``; nothing is copied on the
+engine thread). Per layer chunk of at most ``max_frame_bytes``, one message:
 
 * **runs** (a CPU cache whose blocks form runs of ``zero_copy_min_run_bytes`` or more per layer,
   consecutive in both caches, as in a cache that has not turned over): one payload frame per
   region (``run_regions``) pointing straight into the cache (``copy=False``): no copy on this
   side at all. Out of an engine's block-major cache a frame is a run of every layer, and messages
-  are cut by blocks; out of a layer-major one a frame is a (layer, run), messages cut by layers.
+  are cut by blocks; out of a layer-major one, a frame is a (layer, run), messages cut by layers.
   ZeroMQ's I/O thread reads the cache as it writes the socket, so each such frame is tracked, and
   a send that fails is only over (its blocks given back) once ZeroMQ let go of every frame.
 * **gathered** (short runs, or a CUDA cache): the chunk's blocks gathered into one of the session's
@@ -63,6 +79,7 @@ from pdserve.kv_transfer.base import (
 from pdserve.kv_transfer.messages import KVBlocks, KVCommit, KVSetup, KVSetupReply
 from pdserve.kv_transfer.plane import (
     ControlLink,
+    Landing,
     Outbox,
     ReceiverPlane,
     SenderPlane,
@@ -125,6 +142,9 @@ class ZmqReceiverPlane(ReceiverPlane):
         self.slab_bytes = slab_bytes(kv)
         self.layout = KVLayout.of(kv)
         self.region = region_bytes(kv)
+        # Into host memory a payload streams on the session's lane, straight into the blocks.
+        self.lane = not kv.is_cuda
+        self.memory = memoryview(self.region.numpy()) if self.lane else None
 
     def setup(self, peer: bytes, msg: KVSetup) -> KVSetupReply:
         return KVSetupReply(ok=True, transport="zmq")
@@ -159,12 +179,6 @@ class ZmqReceiverPlane(ReceiverPlane):
             return f"KV frame's runs {msg.runs[:8]} do not split its {len(msg.block_ids)} blocks"
         if msg.runs and msg.block_major and not self.layout.whole(msg.layer_start, msg.layer_end):
             return "KV frames of runs of a block-major cache must carry every layer"
-        if msg.runs and msg.block_major != self.layout.block_major:
-            layouts = ["layer-major", "block-major"]
-            return (
-                f"KV frames cut from a {layouts[msg.block_major]} cache for a "
-                f"{layouts[self.layout.block_major]} one"
-            )
         expected = (msg.layer_end - msg.layer_start) * len(msg.block_ids) * self.slab_bytes
         if msg.nbytes != expected:
             return f"KV frame header says {msg.nbytes} bytes, expected {expected}"
@@ -173,27 +187,38 @@ class ZmqReceiverPlane(ReceiverPlane):
     def _pieces(self, msg: KVBlocks) -> list[list[tuple[int, int]]]:
         """Per payload frame, in the order the sender cut them (``run_regions`` of its runs), the
         (first slab, count) regions of this cache its bytes go to, in order: one where the run's
-        blocks are consecutive here too, else one per block."""
+        blocks are consecutive here too, else one per block (per slab where the two caches are
+        laid out unlike each other)."""
         layout, l0, l1 = self.layout, msg.layer_start, msg.layer_end
+        index, layers = layout.index, range(l0, l1)
         groups, at = [], 0
         for count in msg.runs:
             groups.append(msg.block_ids[at : at + count])
             at += count
+        if msg.block_major:  # a frame is a run, every layer of each block in turn (``_check``)
+            if layout.block_major:
+                return [_merged([(b * layout.num_layers, layout.num_layers) for b in ids]) for ids in groups]
+            return [_merged([(index(layer, b), 1) for b in ids for layer in layers]) for ids in groups]
+        return [_merged([(index(layer, b), 1) for b in ids]) for layer in layers for ids in groups]
 
-        def merged(units: list[tuple[int, int]]) -> list[tuple[int, int]]:
-            out: list[tuple[int, int]] = []
-            for start, count in units:
-                if out and out[-1][0] + out[-1][1] == start:
-                    out[-1] = (out[-1][0], out[-1][1] + count)
-                else:
-                    out.append((start, count))
-            return out
-
-        if layout.block_major:  # every layer (``_refusal``): a frame is a run
-            return [merged([(b * layout.num_layers, layout.num_layers) for b in ids]) for ids in groups]
-        return [
-            merged([(layout.index(layer, b), 1) for b in ids]) for layer in range(l0, l1) for ids in groups
-        ]
+    def land(self, peer: bytes, msg: KVBlocks) -> _Landing:
+        """A message whose payload follows on the lane: its bytes go straight into the blocks (the
+        regions of ``_pieces``, or of each (layer, block) of a gathered payload, in order), pinned in
+        the table from now until the last one came."""
+        error = self._check(msg)
+        if error:
+            raise ValueError(error)
+        if msg.runs:
+            units = _merged([unit for frame in self._pieces(msg) for unit in frame])
+        else:  # a gathered [layers, blocks, ...] tensor
+            index, layers = self.layout.index, range(msg.layer_start, msg.layer_end)
+            units = _merged([(index(layer, b), 1) for layer in layers for b in msg.block_ids])
+        error = self.table.begin(msg.request_id, msg.block_ids, msg.layer_start, msg.layer_end)
+        if error:
+            return _Landing(self, msg, [], error)
+        slab, memory = self.slab_bytes, self.memory
+        views = [memory[start * slab : (start + count) * slab] for start, count in units]
+        return _Landing(self, msg, views, "")
 
     def handle(self, peer: bytes, msg: KVBlocks, payload: Sequence) -> str:
         """Copy one message's payload into its reserved blocks; "" or why it was refused."""
@@ -222,14 +247,51 @@ class ZmqReceiverPlane(ReceiverPlane):
             copy = _landed_off_the_engine_stream(kv, copy)
         error = self.table.write(msg.request_id, msg.block_ids, l0, l1, copy)
         if not error:
-            self.bytes_received += msg.nbytes
+            self.landed(msg)
         return error
+
+    def landed(self, msg: KVBlocks) -> None:
+        """``msg``'s payload landed: counted in ``bytes_received``."""
+        self.bytes_received += msg.nbytes
 
     def drop(self, peer: bytes) -> None:
         pass
 
     def close(self) -> None:
         pass
+
+
+def _merged(units: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """(first slab, count) regions, those that continue one another merged."""
+    out: list[tuple[int, int]] = []
+    for start, count in units:
+        if out and out[-1][0] + out[-1][1] == start:
+            out[-1] = (out[-1][0], out[-1][1] + count)
+        else:
+            out.append((start, count))
+    return out
+
+
+class _Landing(Landing):
+    """A payload streaming into its reserved blocks on a lane (``ZmqReceiverPlane.land``)."""
+
+    def __init__(self, plane: ZmqReceiverPlane, msg: KVBlocks, views: list[memoryview], error: str) -> None:
+        self.plane, self.msg = plane, msg
+        self.nbytes, self.views, self.error = msg.nbytes, views, error
+        self._pinned = not error
+
+    def live(self) -> bool:
+        return self.msg.request_id in self.plane.table
+
+    def end(self, error: str) -> str:
+        if self._pinned:
+            msg = self.msg
+            self._pinned = False
+            self.plane.table.end(msg.request_id, msg.block_ids, msg.layer_start, msg.layer_end, error)
+            if not error:
+                self.plane.landed(msg)
+            self.error = error
+        return self.error or error
 
 
 def _landed_off_the_engine_stream(kv: torch.Tensor, copy: Callable[[], None]) -> Callable[[], None]:
@@ -330,7 +392,8 @@ class ZmqSession(SenderSession):
         per_layer = len(src) * slab
         chunks = layer_chunks(kv.shape[0], per_layer, options.max_frame_bytes)
         last = chunks[-1]
-        if not kv.is_cuda and per_layer >= options.zero_copy_min_run_bytes * len(runs):
+        streams = self.link.streams  # a lane: raw bytes straight from the cache, however short the runs
+        if not kv.is_cuda and (streams or per_layer >= options.zero_copy_min_run_bytes * len(runs)):
             flat, layout = self.plane.flat, self.plane.layout
             if layout.block_major:  # messages of whole blocks, every layer (a run is one frame)
                 parts = [(0, kv.shape[0], group) for group in _run_groups(runs, kv.shape[0] * slab, options)]
@@ -339,9 +402,11 @@ class ZmqSession(SenderSession):
             for i, (l0, l1, group) in enumerate(parts):
                 frames = []
                 for start, count in run_regions([(s, c) for s, _, c in group], l0, l1, layout):
-                    frame = zmq.Frame(flat[start * slab : (start + count) * slab], track=True)
-                    self._trackers.append(frame.tracker)
-                    frames.append(frame)
+                    region = flat[start * slab : (start + count) * slab]
+                    if not streams:  # ZeroMQ's I/O thread reads it later: tracked
+                        region = zmq.Frame(region, track=True)
+                        self._trackers.append(region.tracker)
+                    frames.append(region)
                 header = KVBlocks(
                     request_id,
                     [d + k for _, d, c in group for k in range(c)],
@@ -374,9 +439,11 @@ class ZmqSession(SenderSession):
                 header = KVBlocks(
                     request_id, dst_block_ids, l0, l1, nbytes, commit=commit if (l0, l1) == last else None
                 )
-                frame = zmq.Frame(memoryview(part.view(torch.uint8).numpy()), track=True)
-                self._buffers[turn] = (self._buffers[turn][0], frame.tracker)
-                self._trackers.append(frame.tracker)
+                frame = memoryview(part.view(torch.uint8).numpy())
+                if not streams:  # taken by ZeroMQ's I/O thread later: the buffer waits for it
+                    frame = zmq.Frame(frame, track=True)
+                    self._buffers[turn] = (self._buffers[turn][0], frame.tracker)
+                    self._trackers.append(frame.tracker)
                 self.link.send([encode(header), frame], deadline)
 
     def _buffer(self, shape: tuple, kv: torch.Tensor, deadline: float) -> tuple[int, torch.Tensor]:

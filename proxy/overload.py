@@ -59,15 +59,18 @@ class LoopLag:
             self._task = asyncio.ensure_future(self.run())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        """Stop watching and let every waiter go (refused); returns once the watch ended. A
+        cancellation of the caller while it waits still reaches the caller (``asyncio.wait``
+        neither raises the watch's own CancelledError nor swallows the caller's)."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
         for waiter in self._waiters:
             if not waiter.done():
                 waiter.set_result(False)
         self._waiters.clear()
+        if task is not None:
+            await asyncio.wait([task])
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()

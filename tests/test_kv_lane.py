@@ -363,3 +363,44 @@ def test_a_lane_port_in_use_fails_the_receivers_start_naming_it():
         again.register_kv_cache(cache(SMALL, 4, fill=False))
         assert again.start(info("decode", SMALL), ReservationTable(SMALL[0]), lambda commit: None)
         again.close()
+
+
+def test_a_sink_fills_its_views_in_order_and_drops_what_comes_after_drop():
+    """A payload split anywhere fills its views in order (bytes read with the header first); once
+    dropped, the rest is read into scratch and ``done`` hears why; a lane closed first fails it."""
+    from pdserve.kv_transfer.lane import Sink
+
+    payload = bytes(range(256)) * 3
+    for cut in (0, 1, 100, 767):
+        views = [memoryview(bytearray(n)) for n in (10, 500, 258)]
+        ended: list[str] = []
+        sink = Sink(len(payload), views, ended.append)
+        reader = FrameReader(1 << 20)
+        reader.feed(frame(b"header") + payload[:cut])
+        assert reader.next() == b"header"
+        at = reader.take(sink.target())
+        while not sink.advance(at) and (n := reader.take(sink.target())):
+            at = n
+        rest = memoryview(payload)[cut:]
+        while sink.left:
+            target = sink.target()
+            n = min(len(target), len(rest), 37)
+            target[:n] = rest[:n]
+            rest = rest[n:]
+            sink.advance(n)
+        assert b"".join(bytes(v) for v in views) == payload and ended == [""]
+    views = [memoryview(bytearray(100))]
+    ended = []
+    sink = Sink(100, views, ended.append)
+    sink.target()[:40] = b"x" * 40
+    sink.advance(40)
+    sink.drop("released")
+    sink.target()[: sink.left] = b"y" * sink.left
+    assert sink.advance(60) and ended == ["released"] and bytes(views[0]) == b"x" * 40 + bytes(60)
+    ended = []
+    sink = Sink(10, [memoryview(bytearray(10))], ended.append)
+    sink.fail("closed")
+    sink.fail("again")
+    assert ended == ["closed"]
+    with pytest.raises(ValueError):
+        Sink(10, [memoryview(bytearray(9))], ended.append)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing as mp
 import os
+import re
 import signal
 import socket
 import sys
@@ -139,8 +140,8 @@ def test_blocks_land_in_reserved_slots(pair):
 @pytest.mark.parametrize("layouts", ["layer-major", "layer-major into block-major"])
 def test_caches_laid_out_otherwise_move_too(name, layouts):
     """Caches laid out layer-major (a block is L pieces), and a layer-major sender with a
-    block-major receiver (where the transport can move between the two: nixl by descriptor, the
-    staged ways by gathered tensor; zmq and nccl frames or sends cut in place are refused),
+    block-major receiver (where the transport can move between the two: nixl by descriptor, zmq
+    slab by slab, the staged ways by gathered tensor; nccl sends cut in place are refused),
     land runs and scattered blocks where they were reserved."""
     mixed = layouts != "layer-major"
     src = kv_cache(fill=True, block_major=False)
@@ -361,7 +362,9 @@ def test_sends_queued_for_a_dead_peer_all_fail_by_their_own_deadline():
                 fut.result(timeout=10)
             fut.released.result(timeout=10)
         assert time.monotonic() - start < 2.5  # one after the other: 4 s
-        assert "in the queue" in str(sends[-1].exception())
+        # Each fails at its own deadline: out of time in the queue behind the first, or (where it
+        # was queued a little later than the first one gave up) waiting for its own reply.
+        assert all(re.search("in the queue|no reply", str(fut.exception())) for fut in sends)
     finally:
         sender.close()
 

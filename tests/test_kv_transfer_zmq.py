@@ -3,16 +3,26 @@
 from __future__ import annotations
 
 import socket
+import threading
 import time
+from types import SimpleNamespace
 
 import msgspec
 import pytest
 import torch
 import zmq
 
-from pdserve.kv_transfer import KVTransferError, ReservationTable, ZmqOptions, create_receiver, create_sender
-from pdserve.kv_transfer.messages import KVCommit
-from pdserve.messages import NodeInfo
+from pdserve.kv_transfer import (
+    KVTransferError,
+    ReservationTable,
+    ZmqOptions,
+    control_receiver,
+    create_receiver,
+    create_sender,
+)
+from pdserve.kv_transfer.lane import LaneClosed
+from pdserve.kv_transfer.messages import KVAck, KVBlocks, KVCommit
+from pdserve.messages import NodeInfo, decode, encode
 
 L, NB, BS, H, D = 3, 12, 4, 2, 8
 SLAB = 2 * BS * H * D * 4  # bytes of one (layer, block), float32
@@ -23,8 +33,10 @@ def info(node_id: str, **kw) -> NodeInfo:
     return msgspec.structs.replace(base, **kw)
 
 
-@pytest.fixture
-def pair():
+@pytest.fixture(params=["lane", "zeromq"])
+def pair(request):
+    """A sender and a receiver; the payload on the session's lane (a cache in host memory), or in
+    ZeroMQ frames (a receiver that offers no lane, as one whose cache is on a GPU)."""
     src = torch.randn(L, NB, 2, BS, H, D)
     dst = torch.zeros(L, NB, 2, BS, H, D)
     table = ReservationTable(L)
@@ -32,6 +44,7 @@ def pair():
     receiver = create_receiver("zmq")
     receiver.register_kv_cache(dst)
     address = receiver.start(info("decode-0"), table, commits.append)
+    receiver.planes["zmq"].lane = request.param == "lane"
     sender = create_sender("zmq")
     sender.register_kv_cache(src)
     yield src, dst, table, commits, sender, address
@@ -78,14 +91,20 @@ def test_a_fault_while_taking_a_message_answers_at_once(pair, monkeypatch, caplo
     from pdserve.kv_transfer import zmq_backend
 
     _, dst, table, commits, sender, address = pair
-    handle = zmq_backend.ZmqReceiverPlane.handle
+    handle, land = zmq_backend.ZmqReceiverPlane.handle, zmq_backend.ZmqReceiverPlane.land
 
     def faulty(self, peer, msg, payload):
         if msg.request_id == "boom":
             raise RuntimeError("a fault in the copy")
         return handle(self, peer, msg, payload)
 
+    def faulty_land(self, peer, msg):
+        if msg.request_id == "boom":
+            raise RuntimeError("a fault in the copy")
+        return land(self, peer, msg)
+
     monkeypatch.setattr(zmq_backend.ZmqReceiverPlane, "handle", faulty)
+    monkeypatch.setattr(zmq_backend.ZmqReceiverPlane, "land", faulty_land)
     table.add("boom", [3], time.time() + 10)
     started = time.monotonic()
     with caplog.at_level("WARNING", logger="pdserve.kv_transfer.control_receiver"):
@@ -185,23 +204,28 @@ def test_runs_go_out_of_the_cache_in_place_and_land_in_their_blocks(in_place_pai
     untouched = [b for b in range(NB) if b not in dst_ids]
     assert dst[:, untouched].abs().sum() == 0
     session = sender._peers[address].session
-    assert len(session._trackers) == L * 3  # one tracked frame per (layer, run)
+    if sender._peers[address].streams:  # raw bytes on the lane, nothing for ZeroMQ to let go of
+        assert not session._trackers
+    else:
+        assert len(session._trackers) == L * 3  # one tracked frame per (layer, run)
 
 
 def _block_major(make, blocks: int = NB) -> torch.Tensor:
     return make(blocks, L, 2, BS, H, D).transpose(0, 1)  # an engine's cache (``KVLayout``)
 
 
-def test_block_major_runs_go_out_as_one_frame_of_every_layer_and_land_in_their_blocks():
+@pytest.mark.parametrize("lane", [True, False])
+def test_block_major_runs_go_out_as_one_frame_of_every_layer_and_land_in_their_blocks(lane):
     """Out of a block-major cache (an engine's), a run is one frame of all its layers, and messages
     are cut by blocks (a run split where a message is full); they land in a block-major cache,
-    blocks consecutive there or not; frames cut from a cache laid out otherwise are refused."""
+    blocks consecutive there or not, and frames cut from a cache laid out otherwise land too."""
     src, dst = _block_major(torch.randn), _block_major(torch.zeros)
     table = ReservationTable(L)
     commits: list[KVCommit] = []
     receiver = create_receiver("zmq")
     receiver.register_kv_cache(dst)
     address = receiver.start(info("decode-0"), table, commits.append)
+    receiver.planes["zmq"].lane = lane
     sender = create_sender("zmq", options=[IN_PLACE])  # messages of at most 2 blocks of 3 layers
     sender.register_kv_cache(src)
     try:
@@ -213,8 +237,9 @@ def test_block_major_runs_go_out_as_one_frame_of_every_layer_and_land_in_their_b
         for s, d in zip(src_ids, dst_ids):
             assert torch.equal(dst[:, d], src[:, s])
         assert dst[:, [b for b in range(NB) if b not in dst_ids]].abs().sum() == 0
-        # Runs of 2+1, then 1, then 2 blocks (the run of 3 split across two messages): 4 frames.
-        assert len(sender._peers[address].session._trackers) == 4
+        # Runs of 2+1, then 1, then 2 blocks (the run of 3 split across two messages): 4 frames,
+        # tracked on ZeroMQ; raw bytes on the lane.
+        assert len(sender._peers[address].session._trackers) == (0 if lane else 4)
     finally:
         sender.close()
     from pdserve.kv_transfer.messages import KVAck, KVBlocks
@@ -233,7 +258,7 @@ def test_block_major_runs_go_out_as_one_frame_of_every_layer_and_land_in_their_b
         sock.close(linger=0)
     assert not ack.ok and "must carry every layer" in ack.error
     table.release("part")
-    for block_major, ok in ((True, True), (False, False)):
+    for block_major in (True, False):
         rid = f"raw-{block_major}"
         table.add(rid, [0, 6, 11], time.time() + 10)  # not consecutive here: block by block
         sock = _raw(address)
@@ -249,12 +274,10 @@ def test_block_major_runs_go_out_as_one_frame_of_every_layer_and_land_in_their_b
             ack = decode(sock.recv(), KVAck)
         finally:
             sock.close(linger=0)
-        assert ack.ok == ok, ack.error
-        if ok:
-            for i, block in enumerate([0, 6, 11]):
-                assert torch.equal(dst[:, block], payload[i])
-        else:
-            assert "cut from a layer-major cache for a block-major one" in ack.error
+        assert ack.ok, ack.error
+        for i, block in enumerate([0, 6, 11]):
+            assert torch.equal(dst[:, block], payload[i])
+        dst[:, [0, 6, 11]] = 0
     receiver.close()
 
 
@@ -268,6 +291,7 @@ def test_a_failed_in_place_send_ends_only_once_zmq_let_go_of_the_cache():
     receiver.register_kv_cache(torch.zeros(L, NB, 2, BS, H, D))
     table = ReservationTable(L)
     address = receiver.start(info("decode-0"), table, lambda c: None)
+    receiver.planes["zmq"].lane = False  # frames on ZeroMQ (a lane's bytes are gone once sent)
     sender.handshake(address, info("p"), 5)
     session = sender._peers[address].session
     held: list = []
@@ -374,6 +398,7 @@ def test_gathered_chunks_take_the_staging_buffers_in_turn():
     receiver = create_receiver("zmq", options=options)
     receiver.register_kv_cache(dst)
     address = receiver.start(info("decode-0"), table, lambda commit: None)
+    receiver.planes["zmq"].lane = False  # on a lane blocks go out of the cache in place, never gathered
     sender = create_sender("zmq", options=options)
     sender.register_kv_cache(src)
     try:
@@ -451,3 +476,185 @@ def test_kv_transfer_benchmark_dry_run(tmp_path):
     outcome = steps["send to its outcome on the sender's peer thread (what is timed)"]["p50"]
     assert 0 < steps["send to the commit on the receiver (what TTFT waits for)"]["p50"] < outcome
     assert outcome <= steps["the whole send, to the caller's wake-up"]["p50"]
+
+
+# -- payloads on the lane (``kv_transfer.lane``: raw bytes after their header) ------------------------
+
+
+@pytest.fixture
+def on_lane():
+    """A sender and a receiver set up, and the sender's lane for the test to write on (its own
+    thread is idle between jobs)."""
+    src = torch.randn(L, NB, 2, BS, H, D)
+    dst = torch.zeros(L, NB, 2, BS, H, D)
+    table = ReservationTable(L)
+    commits: list[KVCommit] = []
+    receiver = create_receiver("zmq")
+    receiver.register_kv_cache(dst)
+    address = receiver.start(info("decode-0"), table, commits.append)
+    sender = create_sender("zmq")
+    sender.register_kv_cache(src)
+    sender.handshake(address, info("p"), 5)
+    lane = sender._peers[address].lane
+    assert lane is not None
+    yield SimpleNamespace(
+        src=src,
+        dst=dst,
+        table=table,
+        commits=commits,
+        sender=sender,
+        address=address,
+        lane=lane,
+        streams=receiver._streams,
+    )
+    sender.close()
+    receiver.close()
+
+
+def _wait(cond, timeout: float = 5.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.005)
+
+
+def _timed_release(table: ReservationTable, rid: str) -> float:
+    """Seconds ``table.release(rid)`` took, on a thread of its own (as the engine's), at most 10."""
+    took: list[float] = []
+
+    def release() -> None:
+        start = time.monotonic()
+        table.release(rid)
+        took.append(time.monotonic() - start)
+
+    thread = threading.Thread(target=release)
+    thread.start()
+    thread.join(10)
+    assert took, "release still waiting"
+    return took[0]
+
+
+def test_a_reservation_released_while_its_payload_comes_in_waits_for_no_more_of_it(on_lane):
+    """Half a payload in, the engine releases the reservation (its lease ran out): ``release``
+    returns at once rather than when the rest came, no byte of the rest lands, the commit riding
+    with it is refused, and the lane goes on."""
+    t = on_lane
+    src, dst, table, commits, sender, address, lane = (
+        t.src,
+        t.dst,
+        t.table,
+        t.commits,
+        t.sender,
+        t.address,
+        t.lane,
+    )
+    receiver_streams = t.streams
+    payload = torch.randn(L, 2, 2, BS, H, D)  # a gathered tensor: layers of blocks 2 and 3
+    raw = payload.numpy().tobytes()
+    table.add("slow", [2, 3], time.time() + 10)
+    header = KVBlocks("slow", [2, 3], 0, L, len(raw), commit=KVCommit("slow", 1))
+    lane.send(encode(header), time.monotonic() + 5)
+    half = len(raw) // 2
+    lane.sock.sendall(raw[:half])
+    _wait(lambda: bool(receiver_streams))
+    assert _timed_release(table, "slow") < 1.0  # not waiting for the other half
+    lane.sock.sendall(raw[half:])
+    ack = decode(lane.recv(5), KVAck)
+    assert not ack.ok and "released while its KV came in" in ack.error
+    assert dst[L - 1, 2:4].abs().sum() == 0  # the last layer, in the second half, never landed
+    assert commits == [] and not receiver_streams
+    table.add("next", [5], time.time() + 10)
+    assert sender.send(address, info("p"), "next", [1], [5], KVCommit("next", 2), 5).result().ok
+    assert torch.equal(dst[:, 5], src[:, 1])
+
+
+def test_a_lane_closed_inside_a_payload_unpins_it_and_fails_the_request(on_lane):
+    """The sender's lane breaks half a payload in: the blocks are unpinned at once (``release``
+    does not wait) and the request never commits."""
+    t = on_lane
+    table, commits, lane, receiver_streams = t.table, t.commits, t.lane, t.streams
+    table.add("cut", [4], time.time() + 10)
+    header = KVBlocks("cut", [4], 0, L, L * SLAB, commit=KVCommit("cut", 1))
+    lane.send(encode(header), time.monotonic() + 5)
+    lane.sock.sendall(b"\1" * SLAB)
+    _wait(lambda: bool(receiver_streams))
+    lane.sock.close()
+    _wait(lambda: not receiver_streams)
+    assert "lane closed inside a payload" in table.commit("cut")
+    assert _timed_release(table, "cut") < 1.0 and commits == []
+
+
+@pytest.mark.parametrize(
+    "why", ["nbytes", "blocks", "commit of another request"], ids=["length", "blocks", "commit"]
+)
+def test_a_header_that_cannot_say_where_its_payload_goes_closes_the_lane(on_lane, why):
+    """The bytes after such a header could not be told from the next message: the lane closes (the
+    sender starts afresh) and the request fails."""
+    t = on_lane
+    src, dst, table, sender, address, lane = t.src, t.dst, t.table, t.sender, t.address, t.lane
+    table.add("bad", [6], time.time() + 10)
+    header = {
+        "nbytes": KVBlocks("bad", [6], 0, L, L * SLAB + 1),
+        "blocks": KVBlocks("bad", [6, 6], 0, L, 2 * L * SLAB),
+        "commit of another request": KVBlocks("bad", [6], 0, L, L * SLAB, commit=KVCommit("other", 1)),
+    }[why]
+    lane.send(encode(header), time.monotonic() + 5)
+    with pytest.raises(LaneClosed):
+        while lane.recv(5) is not None:
+            pass
+    assert table.commit("bad")  # failed
+    table.add("after", [7], time.time() + 10)
+    with pytest.raises(KVTransferError):  # the sender learns of it at its next send...
+        sender.send(address, info("p"), "after", [2], [7], KVCommit("after", 1), 5).result()
+    table.add("again", [8], time.time() + 10)  # ... and starts afresh
+    assert sender.send(address, info("p"), "again", [2], [8], KVCommit("again", 1), 5).result().ok
+    assert torch.equal(dst[:, 8], src[:, 2])
+
+
+def test_a_payload_the_decode_node_stops_taking_fails_the_send_at_its_deadline(monkeypatch):
+    """The decode node stops reading its lanes mid-payload (stuck): the send fails at its timeout,
+    not later, and its blocks are given back at once (a lane's bytes are the kernel's once sent:
+    nothing points into the cache any more); the next send starts afresh."""
+    big = (L, 6, 2, 256, 8, 128)  # 2 MiB slabs: a 36 MiB payload, more than the sockets buffer
+    src, dst = torch.randn(big), torch.zeros(big)
+    table = ReservationTable(L)
+    receiver = create_receiver("zmq")
+    receiver.register_kv_cache(dst)
+    shape = {"block_size": 256, "num_kv_heads": 8, "head_dim": 128}
+    address = receiver.start(info("decode-0", **shape), table, lambda c: None)
+    sender = create_sender("zmq")
+    sender.register_kv_cache(src)
+    try:
+        sender.handshake(address, info("p", **shape), 5)
+        assert sender._peers[address].lane is not None
+        stuck = threading.Event()
+        serve_lanes = control_receiver.ControlReceiver._serve_lanes
+        monkeypatch.setattr(
+            control_receiver.ControlReceiver,
+            "_serve_lanes",
+            lambda self, *a: None if stuck.is_set() else serve_lanes(self, *a),
+        )
+        stuck.set()
+        table.add("r", list(range(6)), time.time() + 30)
+        started = time.monotonic()
+        fut = sender.send(
+            address, info("p", **shape), "r", list(range(6)), list(range(6)), KVCommit("r", 1), 1.0
+        )
+        with pytest.raises(KVTransferError, match="did not take a payload in time"):
+            fut.result(timeout=10)
+        assert time.monotonic() - started < 3
+        assert fut.released.result(timeout=1) is None
+        stuck.clear()
+        table.release("r")
+        table.add("r2", [0], time.time() + 30)
+        ok = None
+        for _ in range(2):  # the first send after may still meet the lane the receiver closes now
+            try:
+                ok = sender.send(address, info("p", **shape), "r2", [1], [0], KVCommit("r2", 1), 5).result()
+                break
+            except KVTransferError:
+                table.add("r2", [0], time.time() + 30)
+        assert ok is not None and ok.ok and torch.equal(dst[:, 0], src[:, 1])
+    finally:
+        sender.close()
+        receiver.close()

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+
 from pdserve.proxy.overload import LoopLag
 
 
@@ -32,6 +34,24 @@ def test_a_late_loop_parks_requests_in_order_and_lets_them_in_as_it_recovers():
         assert order == list(range(20))  # first come, first in; the impatient one was refused
         assert lag.num_waiting == 0 and not lag.behind and lag.stalled_s >= 0.3
         await lag.stop()
+
+    asyncio.run(run())
+
+
+def test_a_cancellation_of_stops_caller_reaches_it():
+    """``stop`` waits for its watch to end without swallowing a cancellation of its own caller
+    (proxy shutdown cancelled midway ends cancelled, not as if ``stop`` had returned)."""
+
+    async def run() -> None:
+        lag = LoopLag(limit_s=0.05)
+        lag.start()
+        await asyncio.sleep(0.01)
+        stopping = asyncio.ensure_future(lag.stop())
+        await asyncio.sleep(0)  # stop cancelled the watch and waits for its end
+        stopping.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await stopping
+        assert stopping.cancelled()
 
     asyncio.run(run())
 

@@ -611,6 +611,11 @@ def run(args: argparse.Namespace) -> dict:
     src = _cache(shape, max_blocks, send_dev, fill=True)
     flat = region_bytes(src)
 
+    if args.lanes == "tcp":  # as from another host: the receiver's lane port, not its Unix socket
+        from pdserve.kv_transfer.lane import SenderLane
+
+        SenderLane.connect_local = classmethod(lambda cls, name, max_bytes: None)
+
     def connected(name: str, options):
         sender = kv_transfer.create_sender(name, options=[options])
         sender.register_kv_cache(src)
@@ -913,6 +918,7 @@ def run(args: argparse.Namespace) -> dict:
         "in order and shuffled, by the transport's own choice of way.",
         "repeats": repeats,
         "burst": args.burst,
+        "lanes": args.lanes,
         "one_block_count": args.one_block_count,
         "one_block_send_us": fixed,
         "raw_round_trip_us": raw_round_trip,
@@ -995,6 +1001,13 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--size-breakdown-count", type=int, default=30, help="sends of each size timed by --breakdown"
+    )
+    p.add_argument(
+        "--lanes",
+        choices=("local", "tcp"),
+        default="local",
+        help="sessions' lanes: through the receiver's Unix socket, as on one host (local), or its TCP "
+        "port, as from another host (tcp: raw_tcp's path)",
     )
     p.add_argument("--dry-run", action="store_true", help="small sizes, one repeat, output to a temp file")
     p.add_argument("--output", default="", help="default docs/benchmarks/kv_transfer_<cpu|gpu>.json")
