@@ -47,6 +47,8 @@ MESSAGES_PER_TURN = 16
 """Messages the receiver's control thread takes in a row before it polls its planes again."""
 LANE_TOKEN_S = 5.0
 """A lane that has not presented a token this long after it was accepted is closed."""
+MAX_PAYLOAD_BYTES = 1 << 40
+"""No payload on a lane is longer (a header saying more is taken for garbage: the lane closes)."""
 STREAM_CHECK_MS = 2
 """While a payload streams in on a lane, the control thread turns at least this often (ms) to see
 whether its reservation is gone: the engine thread's ``release`` waits for the payload's pin."""
@@ -451,6 +453,8 @@ class ControlReceiver(KVReceiver):
             why = f"{type(msg).__name__} with a payload on a lane set up for {conn.transport or 'nothing'}"
         elif commit is not None and commit.request_id != msg.request_id:
             why = f"carries the commit of another request, {_short(commit.request_id)}"
+        elif not 0 <= msg.nbytes <= MAX_PAYLOAD_BYTES:
+            why = f"a payload of {msg.nbytes} bytes"
         else:
             try:
                 landing = plane.land(lane.peer, msg)

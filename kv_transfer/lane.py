@@ -53,6 +53,9 @@ READ_BYTES = 1 << 18
 """What one ``recv`` takes off a lane at most."""
 DROP_BYTES = 1 << 18
 """The scratch buffer a refused payload is read into and dropped."""
+FILL_BYTES = 4 << 20
+"""Payload bytes the control thread reads off one lane before it turns again (other lanes, other
+peers, and whether the payload's reservation still stands: the engine's ``release`` waits for it)."""
 TOKEN_BYTES = 16
 FIRST_FRAME_BYTES = 256
 """The longest first frame (``KVLane``) a receiver takes: a lane that has not presented its token
@@ -118,6 +121,8 @@ class Sink:
         self._done: Callable[[str], None] | None = done
         self.error = ""
         total = sum(len(v) for v in self._views)
+        if nbytes < 0:
+            raise ValueError(f"a payload of {nbytes} bytes")
         if self._views and total != nbytes:
             raise ValueError(f"views of {total} bytes for a payload of {nbytes}")
         self._scratch: memoryview | None = None if self._views else memoryview(bytearray(DROP_BYTES))
@@ -260,12 +265,16 @@ class ReceiverLane:
 
     def _fill(self) -> bool:
         """Move payload bytes into the sink: those read with its header first, then off the socket
-        (``recv_into``); False once the socket has none now, True once the payload is whole."""
-        sink = self.sink
+        (``recv_into``); True once the payload is whole, False once the socket has none now or
+        FILL_BYTES came off it in this call (the rest waits in the socket: its poll wakes the
+        control thread again)."""
+        sink, taken = self.sink, 0
         while True:
             target = sink.target()
             n = self.reader.take(target)
             if not n:
+                if taken >= FILL_BYTES:
+                    return False
                 try:
                     n = self.sock.recv_into(target)
                 except (BlockingIOError, InterruptedError):
@@ -274,6 +283,7 @@ class ReceiverLane:
                     raise LaneClosed(f"lane broken: {e}") from None
                 if not n:
                     raise LaneClosed("the sender closed the lane inside a payload")
+                taken += n
             if sink.advance(n):
                 self.sink = None
                 return True

@@ -18,8 +18,9 @@ cores, 0.61-0.83 of a raw loopback socket at 64 / 256 MiB, against 0.93 / 0.95 o
 1.17 / 1.18 over the Unix socket of a lane between nodes on one host
 (``docs/benchmarks/kv_transfer_zmq_lane_cpu.json``). A payload that comes in while its reservation
 is released (the engine thread's ``release`` waits for the pin) is cut short: the control thread
-looks every ``STREAM_CHECK_MS`` while one comes in, drops the rest unread into the blocks, and
-the commit riding with it is refused; a refused payload is read and dropped.
+reads at most ``FILL_BYTES`` of a payload a turn and looks at every turn (at least every
+``STREAM_CHECK_MS``) whether its reservation still stands; the rest is read and dropped, and the
+commit riding with it is refused. A refused payload is read and dropped too.
 
 **In ZeroMQ frames on the control connection** (a decode node whose cache is on a GPU, or a sender
 that cannot reach the lane). Sender (the peer's thread, in ``deliver``; nothing is copied on the

@@ -404,3 +404,36 @@ def test_a_sink_fills_its_views_in_order_and_drops_what_comes_after_drop():
     assert ended == ["closed"]
     with pytest.raises(ValueError):
         Sink(10, [memoryview(bytearray(9))], ended.append)
+
+
+def test_a_payload_is_read_a_bounded_amount_per_turn(monkeypatch):
+    """The control thread reads at most FILL_BYTES of a payload off one lane per turn, then turns
+    (other lanes, other peers, and whether the payload's reservation still stands); the rest waits
+    in the socket, whose poll wakes it again, and frames after the payload come out whole."""
+    from pdserve.kv_transfer import lane as lane_mod
+    from pdserve.kv_transfer.lane import ReceiverLane, Sink
+
+    monkeypatch.setattr(lane_mod, "FILL_BYTES", 32 << 10)
+    a, b = socket.socketpair()
+    lane = ReceiverLane(a, 1 << 20)
+    lane.bind(b"peer")
+    payload = bytes(range(256)) * 4096  # 1 MiB: more than one read takes with its header
+    writer = threading.Thread(target=b.sendall, args=(frame(b"head") + payload + frame(b"next"),))
+    writer.start()
+    views = [memoryview(bytearray(16 << 10)) for _ in range(64)]
+    ended: list[str] = []
+    turns, frames = 0, []
+    while not frames or frames[-1] != b"next":
+        turns += 1
+        for body in lane.read():
+            frames.append(body)
+            if body == b"head":
+                lane.expect(Sink(len(payload), views, ended.append))
+        assert turns < 10000
+        time.sleep(0.0005)
+    writer.join()
+    assert frames == [b"head", b"next"] and ended == [""]
+    assert b"".join(bytes(v) for v in views) == payload
+    assert turns >= 16  # the 768 KiB after the first read: at most 48 KiB a turn
+    a.close()
+    b.close()

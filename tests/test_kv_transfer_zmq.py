@@ -585,7 +585,9 @@ def test_a_lane_closed_inside_a_payload_unpins_it_and_fails_the_request(on_lane)
 
 
 @pytest.mark.parametrize(
-    "why", ["nbytes", "blocks", "commit of another request"], ids=["length", "blocks", "commit"]
+    "why",
+    ["nbytes", "negative", "blocks", "commit of another request"],
+    ids=["length", "negative length", "blocks", "commit"],
 )
 def test_a_header_that_cannot_say_where_its_payload_goes_closes_the_lane(on_lane, why):
     """The bytes after such a header could not be told from the next message: the lane closes (the
@@ -595,6 +597,7 @@ def test_a_header_that_cannot_say_where_its_payload_goes_closes_the_lane(on_lane
     table.add("bad", [6], time.time() + 10)
     header = {
         "nbytes": KVBlocks("bad", [6], 0, L, L * SLAB + 1),
+        "negative": KVBlocks("bad", [6], 0, L, -1),
         "blocks": KVBlocks("bad", [6, 6], 0, L, 2 * L * SLAB),
         "commit of another request": KVBlocks("bad", [6], 0, L, L * SLAB, commit=KVCommit("other", 1)),
     }[why]
