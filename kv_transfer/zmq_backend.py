@@ -14,9 +14,9 @@ thread reads them straight into the reserved blocks (``ZmqReceiverPlane.land``: 
 this cache, pinned in the table with ``begin`` until the last byte came): one copy on each side,
 the kernel's, as a plain socket. Over ZeroMQ frames the receiver's I/O thread read each frame into
 its own buffer and the control thread copied it again: on the 2-core box three busy threads on two
-cores, 0.61-0.83 of a raw loopback socket at 64 / 256 MiB, against 0.93 / 0.95 over a TCP lane and
-1.17 / 1.18 over the Unix socket of a lane between nodes on one host
-(``docs/benchmarks/kv_transfer_zmq_lane_cpu.json``). A payload that comes in while its reservation
+cores. Interleaved there (``docs/benchmarks/kv_transfer_zmq_lane_ab_*_cpu.json``), of a raw
+loopback socket at 64 / 256 MiB: 0.91-1.04 / 0.87-0.98 over a TCP lane, 1.05-1.27 / 1.22-1.31 over
+the Unix socket of a lane between nodes on one host, 0.65-0.68 / 0.81-0.90 in ZeroMQ frames. A payload that comes in while its reservation
 is released (the engine thread's ``release`` waits for the pin) is cut short: the control thread
 reads at most ``FILL_BYTES`` of a payload a turn and looks at every turn (at least every
 ``STREAM_CHECK_MS``) whether its reservation still stands; the rest is read and dropped, and the
