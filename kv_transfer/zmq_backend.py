@@ -16,11 +16,13 @@ the kernel's, as a plain socket. Over ZeroMQ frames the receiver's I/O thread re
 its own buffer and the control thread copied it again: on the 2-core box three busy threads on two
 cores. Interleaved there (``docs/benchmarks/kv_transfer_zmq_lane_ab_*_cpu.json``), of a raw
 loopback socket at 64 / 256 MiB: 0.91-1.04 / 0.87-0.98 over a TCP lane, 1.05-1.27 / 1.22-1.31 over
-the Unix socket of a lane between nodes on one host, 0.65-0.68 / 0.81-0.90 in ZeroMQ frames. A payload that comes in while its reservation
-is released (the engine thread's ``release`` waits for the pin) is cut short: the control thread
-reads at most ``FILL_BYTES`` of a payload a turn and looks at every turn (at least every
-``STREAM_CHECK_MS``) whether its reservation still stands; the rest is read and dropped, and the
-commit riding with it is refused. A refused payload is read and dropped too.
+the Unix socket of a lane between nodes on one host, 0.65-0.68 / 0.81-0.90 in ZeroMQ frames.
+
+A payload that comes in while its reservation is released (the engine thread's ``release`` waits
+for the pin) is cut short: the control thread reads at most ``FILL_BYTES`` of a payload a turn and
+looks at every turn (at least every ``STREAM_CHECK_MS``) whether its reservation still stands;
+the rest is read and dropped, and the commit riding with it is refused. A refused payload is read
+and dropped too.
 
 **In ZeroMQ frames on the control connection** (a decode node whose cache is on a GPU, or a sender
 that cannot reach the lane). Sender (the peer's thread, in ``deliver``; nothing is copied on the

@@ -33,21 +33,27 @@ def info(node_id: str, **kw) -> NodeInfo:
     return msgspec.structs.replace(base, **kw)
 
 
+def _ends(lane: bool) -> SimpleNamespace:
+    """A sender and a started receiver; the payload on the session's lane (a cache in host memory),
+    or in ZeroMQ frames (``lane`` False: a receiver that offers none, as one whose cache is on a
+    GPU)."""
+    ends = SimpleNamespace(src=torch.randn(L, NB, 2, BS, H, D), dst=torch.zeros(L, NB, 2, BS, H, D))
+    ends.table, ends.commits = ReservationTable(L), []
+    ends.receiver = create_receiver("zmq")
+    ends.receiver.register_kv_cache(ends.dst)
+    ends.address = ends.receiver.start(info("decode-0"), ends.table, ends.commits.append)
+    ends.receiver.planes["zmq"].lane = lane
+    ends.streams = ends.receiver._streams
+    ends.sender = create_sender("zmq")
+    ends.sender.register_kv_cache(ends.src)
+    return ends
+
+
 @pytest.fixture(params=["lane", "zeromq"])
 def pair(request):
-    """A sender and a receiver; the payload on the session's lane (a cache in host memory), or in
-    ZeroMQ frames (a receiver that offers no lane, as one whose cache is on a GPU)."""
-    src = torch.randn(L, NB, 2, BS, H, D)
-    dst = torch.zeros(L, NB, 2, BS, H, D)
-    table = ReservationTable(L)
-    commits: list[KVCommit] = []
-    receiver = create_receiver("zmq")
-    receiver.register_kv_cache(dst)
-    address = receiver.start(info("decode-0"), table, commits.append)
-    receiver.planes["zmq"].lane = request.param == "lane"
-    sender = create_sender("zmq")
-    sender.register_kv_cache(src)
-    yield src, dst, table, commits, sender, address
+    ends = _ends(request.param == "lane")
+    sender, receiver = ends.sender, ends.receiver
+    yield ends.src, ends.dst, ends.table, ends.commits, sender, ends.address
     sender.close()
     receiver.close()
 
@@ -485,30 +491,13 @@ def test_kv_transfer_benchmark_dry_run(tmp_path):
 def on_lane():
     """A sender and a receiver set up, and the sender's lane for the test to write on (its own
     thread is idle between jobs)."""
-    src = torch.randn(L, NB, 2, BS, H, D)
-    dst = torch.zeros(L, NB, 2, BS, H, D)
-    table = ReservationTable(L)
-    commits: list[KVCommit] = []
-    receiver = create_receiver("zmq")
-    receiver.register_kv_cache(dst)
-    address = receiver.start(info("decode-0"), table, commits.append)
-    sender = create_sender("zmq")
-    sender.register_kv_cache(src)
-    sender.handshake(address, info("p"), 5)
-    lane = sender._peers[address].lane
-    assert lane is not None
-    yield SimpleNamespace(
-        src=src,
-        dst=dst,
-        table=table,
-        commits=commits,
-        sender=sender,
-        address=address,
-        lane=lane,
-        streams=receiver._streams,
-    )
-    sender.close()
-    receiver.close()
+    ends = _ends(True)
+    ends.sender.handshake(ends.address, info("p"), 5)
+    ends.lane = ends.sender._peers[ends.address].lane
+    assert ends.lane is not None
+    yield ends
+    ends.sender.close()
+    ends.receiver.close()
 
 
 def _wait(cond, timeout: float = 5.0) -> None:
