@@ -98,6 +98,7 @@ class ReservationTable:
         self._settled = threading.Condition(self._lock)
         self._table: dict[str, _Reservation] = {}
         self._inflight: dict[str, int] = {}  # request id -> pinned transfers not yet ended
+        self._releasing = 0  # ``release`` calls waiting for pinned transfers to end
 
     def add(self, request_id: str, block_ids: Sequence[int], deadline: float) -> None:
         with self._lock:
@@ -122,7 +123,16 @@ class ReservationTable:
         """Drop the reservation; returns once no transfer can write into its blocks any more."""
         with self._settled:
             self._table.pop(request_id, None)
-            if not self._settled.wait_for(lambda: not self._inflight.get(request_id), self.RELEASE_WAIT_S):
+            if not self._inflight.get(request_id):
+                return
+            self._releasing += 1
+            try:
+                ended = self._settled.wait_for(
+                    lambda: not self._inflight.get(request_id), self.RELEASE_WAIT_S
+                )
+            finally:
+                self._releasing -= 1
+            if not ended:
                 logger.error(
                     "KV transfer for %s still in flight after %.0f s", request_id, self.RELEASE_WAIT_S
                 )
@@ -192,7 +202,8 @@ class ReservationTable:
                     r.error = r.error or error
                 else:
                     r.landed.append((layer_start, layer_end, block_ids))
-            self._settled.notify_all()
+            if self._releasing:
+                self._settled.notify_all()
 
     def fail(self, request_id: str, error: str) -> None:
         with self._lock:

@@ -56,6 +56,11 @@ MAX_PENDING_LANES = 64
 """Lanes accepted and not yet bound by a token, at most (the oldest is closed first): bounds what
 connections to the lane port that never present a token can make the node hold."""
 
+# zmq's poll flags as plain ints: the control thread tests them every turn, and an operation on
+# pyzmq's IntFlag members builds a new member in Python (~1 us each, seven a one-block send).
+_POLLIN, _POLLOUT, _POLLERR = int(zmq.POLLIN), int(zmq.POLLOUT), int(zmq.POLLERR)
+_READABLE = _POLLIN | _POLLERR
+
 _instances = itertools.count()
 
 
@@ -354,7 +359,7 @@ class ControlReceiver(KVReceiver):
             self._broken_lanes.append((lane, str(e)))
             return
         if lane.out:  # the rest goes once the socket takes it
-            self._poller.modify(lane.fd, zmq.POLLIN | zmq.POLLOUT)
+            self._poller.modify(lane.fd, _POLLIN | _POLLOUT)
 
     # -- lanes (``kv_transfer.lane``) ---------------------------------------------------------------
 
@@ -370,7 +375,7 @@ class ControlReceiver(KVReceiver):
                 return
             lane = ReceiverLane(conn, largest + (1 << 20))
             self._lanes[lane.fd] = lane
-            self._poller.register(lane.fd, zmq.POLLIN)
+            self._poller.register(lane.fd, _POLLIN)
             pending = [ln for ln in self._lanes.values() if ln.peer is None]
             if len(pending) > MAX_PENDING_LANES:
                 self._close_lane(min(pending, key=lambda ln: ln.opened), "too many lanes without a token")
@@ -381,11 +386,11 @@ class ControlReceiver(KVReceiver):
             if lane is None:  # a ZeroMQ socket, the listener, or a lane closed while serving another
                 continue
             try:
-                if flags & zmq.POLLOUT:
+                if flags & _POLLOUT:
                     lane.flush()
                     if not lane.out:
-                        self._poller.modify(lane.fd, zmq.POLLIN)
-                if flags & (zmq.POLLIN | zmq.POLLERR):
+                        self._poller.modify(lane.fd, _POLLIN)
+                if flags & _READABLE:
                     for body in lane.read():
                         self._lane_message(lane, body, info, table, on_commit)
                         if lane.fd not in self._lanes:

@@ -183,6 +183,12 @@ class NixlOptions:
     pack_on_cpu: bool = False
     """DRAM caches are read in place (packing costs two more copies on the CPU, and a descriptor
     little); tests set this to run the packed path on the CPU."""
+    settle_spin_s: float = 75e-6
+    """On a GPU, after a send's last READ started, the control thread polls it in a tight loop for
+    up to this long before it goes back to its turns (each a ``YIELD_S`` sleep and the loop's own
+    work, ~12-17 us later than a tight poll sees the end: ``nixl_read_setup_polls_h200.json``):
+    a READ of up to ~64 MiB on one GPU ends within it, and the commit and ack go out at once. The
+    GIL is held meanwhile, once per send, for no longer than this; 0 turns it off."""
     layer_chunk_bytes: int = 32 << 20
     """With per-layer events, a send is offered in READs of layer chunks of about this size, each as
     soon as its layers are written."""
@@ -344,7 +350,8 @@ class NixlReceiverPlane(ReceiverPlane):
     (``poll``), so a READ's end is answered without a thread hand-off. While READs run, the
     control loop spins, each turn yielding the GIL for ``pdserve.utils.YIELD_S`` (a sleep made
     exact by ``precise_sleeps``: at Linux's default timer slack a turn took ~60 us longer than
-    the READ needed); that is also what progresses UCX (no progress thread).
+    the READ needed); that is also what progresses UCX (no progress thread). A send's last READ
+    is first polled in a tight loop for up to ``NixlOptions.settle_spin_s`` (``_settle``).
 
     A packed READ lands in a slot of this node's staging pool and is scattered from there into the
     reserved blocks (on its own CUDA stream); the reservation stays pinned until the scatter is
@@ -363,6 +370,7 @@ class NixlReceiverPlane(ReceiverPlane):
         self._inflight: list[_Read] = []
         self._waiting: collections.deque[tuple[bytes, KVReady, float]] = collections.deque()
         self._commits: list[tuple[bytes, KVCommit]] = []  # commits waiting for their READs to end
+        self.stream: torch.cuda.Stream | None = None  # the scatters' (``start``, on a GPU)
 
     def start(
         self,
@@ -438,8 +446,24 @@ class NixlReceiverPlane(ReceiverPlane):
             logger.exception("KVReady for %r could not be handled", getattr(msg, "request_id", "?"))
             self.table.fail(msg.request_id, "the KVReady could not be handled")
         if msg.commit is not None:
-            self.poll()  # a READ that ended at once (a small one on the CPU) is acked now, not a turn later
+            self._settle()
         return ""
+
+    def _settle(self) -> None:
+        """A send's last READ was just started: ack it now if it ends soon. A small one on the CPU
+        ended inside ``transfer``; on a GPU, the only READ in flight is polled in a tight loop for
+        up to ``settle_spin_s`` first."""
+        spin = self.options.settle_spin_s
+        if spin > 0 and self.stream is not None and len(self._inflight) == 1 and not self._waiting:
+            read = self._inflight[0]
+            if read.slot < 0:  # in place (a packed READ's scatter follows it: not worth a spin)
+                check, until = self.agent.check_xfer_state, time.perf_counter() + spin
+                try:
+                    while check(read.handle) == "PROC" and time.perf_counter() < until:
+                        pass
+                except Exception:  # ``poll`` deals with a READ whose state cannot be read
+                    pass
+        self.poll()
 
     def poll(self) -> bool:
         if self._inflight:
@@ -462,8 +486,9 @@ class NixlReceiverPlane(ReceiverPlane):
         """Commit (and ack) every waiting commit whose request has no READ left running or waiting
         for a slot: the sender sends its commit right behind its KVReadys, without waiting for
         them, and the ack tells it both that the KV landed and that its blocks are no longer read."""
-        busy = {(r.peer, r.msg.request_id) for r in self._inflight}
-        busy.update((peer, msg.request_id) for peer, msg, _ in self._waiting)
+        busy = {(r.peer, r.msg.request_id) for r in self._inflight} if self._inflight else ()
+        if self._waiting:
+            busy = {*busy, *((peer, msg.request_id) for peer, msg, _ in self._waiting)}
         waiting = []
         for peer, commit in self._commits:
             if (peer, commit.request_id) in busy:

@@ -607,6 +607,56 @@ def test_a_read_that_ends_past_its_deadline_fails_its_request():
     assert not ack.ok and "past its deadline" in ack.error and commits == []
 
 
+def test_a_sends_last_read_is_polled_tightly_on_a_gpu_and_acked_at_once():
+    """On a GPU the control thread polls a send's last READ in a tight loop for up to
+    ``settle_spin_s``: one that ends within it is committed and acked before ``_settle`` returns;
+    one still running then is left to the control loop's turns (no ack yet); a READ whose state
+    cannot be read does not take the control thread down. Never on the CPU (no stream)."""
+    from pdserve.kv_transfer.nixl_backend import NixlOptions
+
+    def plane_with(states, spin_s: float, stream=True):
+        table = ReservationTable(3)
+        table.add("r", [0], time.time() + 30)
+        assert table.begin("r", [0], 0, 3) == ""
+        plane, acks, commits = _bare_receiver_plane(table)
+        plane.options = NixlOptions(settle_spin_s=spin_s)
+        plane.stream = object() if stream else None
+        calls = []
+
+        def check(handle):
+            calls.append(time.perf_counter())
+            state = states[min(len(calls), len(states)) - 1]
+            if isinstance(state, Exception):
+                raise state
+            return state
+
+        plane.agent = types.SimpleNamespace(check_xfer_state=check)
+        read = _read(b"p", "r", time.monotonic() + 30)
+        read.handle = types.SimpleNamespace(release=lambda: None)
+        plane._inflight = [read]
+        plane._commits = [(b"p", KVCommit("r", first_token=1))]
+        return plane, acks, calls
+
+    # Ends on the 50th check, well inside a second's spin: acked before _settle returns.
+    plane, acks, calls = plane_with(["PROC"] * 49 + ["DONE"], spin_s=1.0)
+    plane._settle()
+    assert [(type(m).__name__, m.ok) for _, m in acks] == [("KVAck", True)] and len(calls) == 51
+    # Still running after a 2 ms spin: no ack, the READ stays in flight for the next turns.
+    plane, acks, calls = plane_with(["PROC"], spin_s=0.002)
+    started = time.perf_counter()
+    plane._settle()
+    assert acks == [] and len(plane._inflight) == 1 and 0.002 <= calls[-1] - started < 0.5
+    # A state that cannot be read: no exception; polled again at the next turns.
+    plane, acks, calls = plane_with([RuntimeError("gone")], spin_s=1.0)
+    plane._settle()
+    assert acks == [] and len(plane._inflight) == 1 and len(calls) == 2
+    # No stream (a cache in host memory) or spin 0: one check only, by the usual poll.
+    for kwargs in ({"stream": False}, {"spin_s": 0.0}):
+        plane, acks, calls = plane_with(["PROC"] * 3 + ["DONE"], **{"spin_s": 1.0, **kwargs})
+        plane._settle()
+        assert acks == [] and len(calls) == 1
+
+
 def test_a_sender_that_loses_its_connection_keeps_the_blocks_until_its_reads_were_given_up():
     """With READs offered and not reported over, closing a session returns at once with the end of
     the latest time the decode node was given for one of them, plus a margin for the trip (when the
