@@ -58,14 +58,16 @@ Each is configured by its own options object (``ZmqOptions``, ``NixlOptions`` wi
 passed to ``create_sender``/``create_receiver`` (a node passes none: the defaults); nothing
 rewrites a module's globals. Every message on the connection lives in ``messages``. Adding a
 transport means one new file (``<name>_backend.py``: its options, its two planes, a
-``TransportPlugin``) and one entry in ``REGISTRY`` below (plus its set-up structs and data
-messages in ``messages``, the one home of the wire, if it needs any).
+``TransportPlugin``; nixl's, the largest, keeps them in three modules beside it) and one entry in
+``REGISTRY`` below (plus its set-up structs and data messages in ``messages``, the one home of the
+wire, if it needs any).
 
 Modules: ``base`` (the two halves' interfaces, ``ReservationTable``, the caches' ``KVLayout`` and
 the regions a send moves, block helpers), ``control`` (the control host's protocol) with its two
 ends ``control_sender`` (``ControlSender``) and ``control_receiver`` (``ControlReceiver``),
 ``plane`` (the plane interfaces and ``TransportPlugin``), ``messages``, ``zmq_backend``,
-``nixl_backend`` (with ``staging``, its packing slots) and ``nccl_backend``.
+``nixl_backend`` (``nixl_common``, ``nixl_receiver``, ``nixl_sender``; with ``staging``, its packing
+slots) and ``nccl_backend``.
 
 A node is configured with ``auto``, one name, or a comma-separated order of preference. A
 sender offers its list at set-up and the receiver takes the first one it accepts too, so two
@@ -92,7 +94,7 @@ from pdserve.kv_transfer.base import (
 from pdserve.kv_transfer.control_receiver import ControlReceiver
 from pdserve.kv_transfer.control_sender import ControlSender
 from pdserve.kv_transfer.nccl_backend import NcclOptions
-from pdserve.kv_transfer.nixl_backend import NixlOptions
+from pdserve.kv_transfer.nixl_common import NixlOptions
 from pdserve.kv_transfer.plane import TransportPlugin
 from pdserve.kv_transfer.sim_backend import SimOptions
 from pdserve.kv_transfer.staging import StagingOptions

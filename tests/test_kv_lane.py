@@ -75,16 +75,16 @@ def pair(request):
 def test_a_fault_while_taking_a_lane_message_answers_at_once(pair, monkeypatch):
     """As on the control connection: the nixl plane raises on a READ offer that came on the lane;
     its sender hears why at once, and the lane carries the next send."""
-    from pdserve.kv_transfer import nixl_backend
+    from pdserve.kv_transfer import nixl_receiver
 
-    handle = nixl_backend.NixlReceiverPlane.handle
+    handle = nixl_receiver.NixlReceiverPlane.handle
 
     def faulty(self, peer, msg, payload):
         if msg.request_id == "boom":
             raise RuntimeError("a fault here")
         return handle(self, peer, msg, payload)
 
-    monkeypatch.setattr(nixl_backend.NixlReceiverPlane, "handle", faulty)
+    monkeypatch.setattr(nixl_receiver.NixlReceiverPlane, "handle", faulty)
     pair.table.add("boom", [5], time.time() + 30)
     started = time.monotonic()
     with pytest.raises(KVTransferError, match="failed on it: RuntimeError: a fault here"):

@@ -22,7 +22,7 @@ import torch
 from pdserve import kv_transfer
 from pdserve.kv_transfer import KVHandshakeRefused, KVRefused, KVTransferError, ReservationTable
 from pdserve.kv_transfer.control_sender import _Job
-from pdserve.kv_transfer.messages import KVCommit, KVRenew, KVSetupReply
+from pdserve.kv_transfer.messages import KVCommit, KVSetupReply
 from pdserve.messages import NodeInfo
 
 L, NB, BS, H, D = 3, 16, 4, 2, 8
@@ -371,7 +371,7 @@ def test_sends_queued_for_a_dead_peer_all_fail_by_their_own_deadline():
 
 def test_a_lease_renewal_counts_its_timeout_from_its_start_not_its_queueing():
     send = _Job(info("p"), "r", None, [1], None, 2.0, Future(), queued_at=10.0)
-    renewal = _Job(info("p"), "", None, [], None, 2.0, Future(), renew=KVRenew(["r"]), queued_at=10.0)
+    renewal = _Job(info("p"), "", None, [], None, 2.0, Future(), renew=True, queued_at=10.0)
     assert send.deadline(started=50.0) == 12.0  # expired in the queue: fails at once
     assert renewal.deadline(started=50.0) == 52.0  # sent late rather than never
 
@@ -655,7 +655,7 @@ def test_receiver_killed_fails_the_transfer_in_time(name):
         assert failed_after < 1.0 + 0.5
         assert fut.released.result(timeout=10) is None
         if backend(name) == "nixl":  # the READ offered would have ended 0.9 s in, failed if late
-            from pdserve.kv_transfer.nixl_backend import READ_MARGIN_S
+            from pdserve.kv_transfer.nixl_sender import READ_MARGIN_S
 
             assert released_at[0] >= 0.9 + READ_MARGIN_S - 0.05 > failed_after
         else:  # nothing moves once the connection is closed

@@ -153,7 +153,7 @@ def test_receiver_killed_fails_in_time(gpu_pair):
     assert fut.released.result(timeout=15) is None
     released_after = time.monotonic() - start
     if name == "nixl":
-        from pdserve.kv_transfer.nixl_backend import READ_MARGIN_S
+        from pdserve.kv_transfer.nixl_sender import READ_MARGIN_S
 
         assert released_after >= 1.8 + READ_MARGIN_S - 0.05
     assert released_after < 10

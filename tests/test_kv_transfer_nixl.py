@@ -117,8 +117,8 @@ def test_cuda_ipc_reads_are_turned_on_unless_the_operator_chose():
     assert "UCX_CUDA_IPC_ENABLE_GET_ZCOPY" not in envs.ucx_environment(environ=chosen)
     code = (
         "import os\n"
-        "from pdserve.kv_transfer.nixl_backend import NixlOptions, _agent\n"
-        "_agent('test', NixlOptions())\n"
+        "from pdserve.kv_transfer.nixl_common import NixlOptions, make_agent\n"
+        "make_agent('test', NixlOptions())\n"
         "print(os.environ['UCX_CUDA_IPC_ENABLE_GET_ZCOPY'])\n"
     )
     for operator, expected in ((None, "on"), ("off", "off")):
@@ -210,21 +210,22 @@ def test_packed_sends_larger_than_the_staging_pools():
     """Fragmented blocks are packed into staging slots; a send of more pieces than either node has
     slots takes them in turns (the sender waits for its own READs, the receiver queues READs until
     a slot is free), and sends from several threads share the slots."""
-    from pdserve.kv_transfer import nixl_backend as nb
+    from pdserve.kv_transfer.nixl_common import NixlOptions
+    from pdserve.kv_transfer.nixl_sender import packs
     from pdserve.kv_transfer.staging import StagingOptions
 
     slab = 2 * SMALL[2] * SMALL[1] * SMALL[3] * 4
     staging = StagingOptions(num_slots=2, slot_bytes=5 * slab)  # 5 blocks of one layer
     kv = cache(SMALL, 64, fill=False, block_major=False)  # 3 layers, layer-major
-    options = nb.NixlOptions(descriptors_per_piece=3, staging=staging)
-    assert not nb.packs(kv, [4, 9, 2], [0, 1, 2], 1, options)  # DRAM: in place
+    options = NixlOptions(descriptors_per_piece=3, staging=staging)
+    assert not packs(kv, [4, 9, 2], [0, 1, 2], 1, options)  # DRAM: in place
     options = dataclasses.replace(options, pack_on_cpu=True)  # as on CUDA: packed when in place takes many
-    assert nb.packs(kv, [4, 9, 2], [0, 1, 2], 1, options)  # 9 descriptors in place > 3 for 1 piece
-    assert not nb.packs(kv, [4, 9, 2], [0, 1, 2], 5, options)
-    assert not nb.packs(kv, [1, 2, 3], [5, 6, 7], 1, options)  # one run: 3 descriptors
+    assert packs(kv, [4, 9, 2], [0, 1, 2], 1, options)  # 9 descriptors in place > 3 for 1 piece
+    assert not packs(kv, [4, 9, 2], [0, 1, 2], 5, options)
+    assert not packs(kv, [1, 2, 3], [5, 6, 7], 1, options)  # one run: 3 descriptors
     kv = cache(SMALL, 64, fill=False)  # block-major: a descriptor per run of every layer
-    assert not nb.packs(kv, [4, 9, 2], [0, 1, 2], 1, options)  # 3 descriptors
-    assert nb.packs(kv, [4, 9, 2, 7], [0, 1, 2, 3], 1, options)  # 4 > 3
+    assert not packs(kv, [4, 9, 2], [0, 1, 2], 1, options)  # 3 descriptors
+    assert packs(kv, [4, 9, 2, 7], [0, 1, 2, 3], 1, options)  # 4 > 3
     options = (dataclasses.replace(options, descriptors_per_piece=0),)  # always packed from here
     pair = Pair(SMALL, src_blocks=64, dst_blocks=64, options=options)
     try:
@@ -272,7 +273,8 @@ def test_packed_reads_outside_the_staging_region_are_refused():
     """A packed KVReady may only name bytes inside the sender's registered staging region, and no
     more than one of this node's slots."""
     from pdserve.kv_transfer.messages import KVReady
-    from pdserve.kv_transfer.nixl_backend import NixlOptions, _Remote
+    from pdserve.kv_transfer.nixl_common import NixlOptions
+    from pdserve.kv_transfer.nixl_receiver import _Remote
     from pdserve.kv_transfer.staging import StagingOptions
 
     slab = 2 * SMALL[2] * SMALL[1] * SMALL[3] * 4
@@ -508,7 +510,7 @@ def test_the_commit_follows_the_reads_at_once_and_the_ack_ends_them():
 
 def _bare_receiver_plane(table: ReservationTable):
     """A nixl receiver plane with its bookkeeping only (no NIXL agent): for the commit logic."""
-    from pdserve.kv_transfer.nixl_backend import NixlReceiverPlane
+    from pdserve.kv_transfer.nixl_receiver import NixlReceiverPlane
 
     plane = NixlReceiverPlane()
     plane.table = table
@@ -521,7 +523,7 @@ def _bare_receiver_plane(table: ReservationTable):
 
 def _read(peer: bytes, rid: str, deadline: float):
     from pdserve.kv_transfer.messages import KVReady
-    from pdserve.kv_transfer.nixl_backend import _Read
+    from pdserve.kv_transfer.nixl_receiver import _Read
 
     return _Read(
         handle=None, peer=peer, msg=KVReady(rid, 1, [0], [0], 0, 3, 5.0), deadline=deadline, nbytes=0
@@ -612,7 +614,7 @@ def test_a_sends_last_read_is_polled_tightly_on_a_gpu_and_acked_at_once():
     ``settle_spin_s``: one that ends within it is committed and acked before ``_settle`` returns;
     one still running then is left to the control loop's turns (no ack yet); a READ whose state
     cannot be read does not take the control thread down. Never on the CPU (no stream)."""
-    from pdserve.kv_transfer.nixl_backend import NixlOptions
+    from pdserve.kv_transfer.nixl_common import NixlOptions
 
     def plane_with(states, spin_s: float, stream=True):
         table = ReservationTable(3)
@@ -662,22 +664,23 @@ def test_a_sender_that_loses_its_connection_keeps_the_blocks_until_its_reads_wer
     the latest time the decode node was given for one of them, plus a margin for the trip (when the
     sender may release the blocks), and frees their staging slots only then. READs reported over
     (or acked) earlier, with longer times, do not count."""
-    from pdserve.kv_transfer import nixl_backend as nb
+    from pdserve.kv_transfer.nixl_common import NixlOptions
+    from pdserve.kv_transfer.nixl_sender import READ_MARGIN_S, NixlSession, _Offered, _read_timeout
 
     released: list[tuple[int, float]] = []
     plane = types.SimpleNamespace(
         progress=None,
         pool=types.SimpleNamespace(release=lambda slot: released.append((slot, time.monotonic()))),
-        options=nb.NixlOptions(max_read_s=5.0),
+        options=NixlOptions(max_read_s=5.0),
     )
-    session = nb.NixlSession(plane, types.SimpleNamespace(address="tcp://peer"))
+    session = NixlSession(plane, types.SimpleNamespace(address="tcp://peer"))
     start = time.monotonic()
-    session._pending = {9: nb._Offered(-1, start + 30.0)}  # an earlier send's READ, given 30 s
+    session._pending = {9: _Offered(-1, start + 30.0)}  # an earlier send's READ, given 30 s
     session.acked()  # ... and over
-    session._pending = {1: nb._Offered(-1, start + 0.1), 2: nb._Offered(3, start + 0.2)}  # in place; slot 3
+    session._pending = {1: _Offered(-1, start + 0.1), 2: _Offered(3, start + 0.2)}  # in place; slot 3
     quiet_at = session.close()
     assert time.monotonic() - start < 0.05 and session._pending == {}
-    assert quiet_at == pytest.approx(start + 0.2 + nb.READ_MARGIN_S)
+    assert quiet_at == pytest.approx(start + 0.2 + READ_MARGIN_S)
     time.sleep(0.1)
     assert released == []  # the decode node may still READ slot 3
     deadline = time.monotonic() + 5
@@ -685,10 +688,10 @@ def test_a_sender_that_loses_its_connection_keeps_the_blocks_until_its_reads_wer
         time.sleep(0.01)
     assert [slot for slot, _ in released] == [3] and released[0][1] >= quiet_at
     # A READ given more than max_read_s is cancelled by then on the decode node.
-    session._pending = {4: nb._Offered(-1, time.monotonic() + 60.0)}
-    assert session.close() == pytest.approx(time.monotonic() + 5.0 + nb.READ_MARGIN_S, abs=0.05)
+    session._pending = {4: _Offered(-1, time.monotonic() + 60.0)}
+    assert session.close() == pytest.approx(time.monotonic() + 5.0 + READ_MARGIN_S, abs=0.05)
     assert session.close() <= time.monotonic()  # nothing pending: free now
-    assert nb._read_timeout(10.0) == 10.0 - nb.READ_MARGIN_S and nb._read_timeout(1.0) == pytest.approx(0.9)
+    assert _read_timeout(10.0) == 10.0 - READ_MARGIN_S and _read_timeout(1.0) == pytest.approx(0.9)
 
 
 @nixl_only
@@ -696,7 +699,7 @@ def test_a_send_failing_after_a_chunk_that_may_still_be_read_is_released_behind_
     """A decode node that stops answering: the request's chunk fails at its timeout, the send with
     its commit fails right behind it (the sender's caller, the prefill node, watches only that one),
     and neither releases the blocks before the decode node's time for the chunk's READ is past."""
-    from pdserve.kv_transfer.nixl_backend import READ_MARGIN_S
+    from pdserve.kv_transfer.nixl_sender import READ_MARGIN_S
 
     pair = Pair(SMALL, src_blocks=16, dst_blocks=16)
     try:
@@ -727,12 +730,12 @@ def test_a_send_failing_after_a_chunk_that_may_still_be_read_is_released_behind_
 
 
 def test_the_ack_frees_the_staging_slots_of_reads_not_reported_one_by_one():
-    from pdserve.kv_transfer import nixl_backend as nb
+    from pdserve.kv_transfer.nixl_sender import NixlSession, _Offered
 
     released: list[int] = []
     plane = types.SimpleNamespace(progress=None, pool=types.SimpleNamespace(release=released.append))
-    session = nb.NixlSession(plane, types.SimpleNamespace(address="tcp://peer"))
-    session._pending = {7: nb._Offered(2, 0.0), 8: nb._Offered(-1, 0.0)}
+    session = NixlSession(plane, types.SimpleNamespace(address="tcp://peer"))
+    session._pending = {7: _Offered(2, 0.0), 8: _Offered(-1, 0.0)}
     session.acked()
     assert released == [2] and session._pending == {}
     session._finish(time.monotonic() + 1)  # nothing left to wait for
@@ -819,12 +822,12 @@ def test_a_refused_read_carrying_the_commit_is_answered_by_the_refused_ack_alone
 def test_a_packed_send_stopped_by_a_refusal_still_sends_its_commit():
     """A packed send whose pieces are refused stops offering them; its commit, which would have
     ridden in the last piece, goes alone, so the sender hears the refusal at once."""
-    from pdserve.kv_transfer import nixl_backend as nb
+    from pdserve.kv_transfer.nixl_common import NixlOptions
     from pdserve.kv_transfer.staging import StagingOptions
 
     slab = 2 * SMALL[2] * SMALL[1] * SMALL[3] * 4
     staging = StagingOptions(num_slots=1, slot_bytes=2 * slab)
-    options = (nb.NixlOptions(pack_on_cpu=True, descriptors_per_piece=0, staging=staging),)
+    options = (NixlOptions(pack_on_cpu=True, descriptors_per_piece=0, staging=staging),)
     pair = Pair(SMALL, src_blocks=16, dst_blocks=16, options=options)
     try:
         pair.table.add("half", [0, 1], time.time() + 30)  # blocks 2 and 3 are nobody's
@@ -846,15 +849,16 @@ def test_a_packed_send_stopped_by_a_refusal_still_sends_its_commit():
 def test_without_prepared_lists_scattered_blocks_are_read_by_lists_built_per_read():
     """Where NIXL cannot prepare a cache's slab list (``_prepared`` gives None), scattered blocks
     are READ as runs are, by descriptor lists built for the READ."""
-    from pdserve.kv_transfer import nixl_backend as nb
+    from pdserve.kv_transfer.base import KVLayout
+    from pdserve.kv_transfer.nixl_receiver import _prepared, _unit_array
 
     def refuse(*args):
         raise RuntimeError("no strided lists here")
 
-    LAYOUT = nb.KVLayout(2, 4, 8, block_major=False)
+    LAYOUT = KVLayout(2, 4, 8, block_major=False)
 
     assert (
-        nb._prepared(types.SimpleNamespace(prep_xfer_dlist=refuse), "x", nb._unit_array(1, LAYOUT, 0), "DRAM")
+        _prepared(types.SimpleNamespace(prep_xfer_dlist=refuse), "x", _unit_array(1, LAYOUT, 0), "DRAM")
         is None
     )
     pair = Pair(SMALL, src_blocks=16, dst_blocks=16)
@@ -875,8 +879,10 @@ def test_layer_chunks_follow_the_forward_except_when_both_caches_share_a_gpu(sam
     forward: the two processes' work on one GPU is time-sliced, and READs during it slowed it."""
     import itertools
 
-    from pdserve.kv_transfer import nixl_backend as nb
-    from pdserve.kv_transfer.base import Staged, slab_bytes
+    from pdserve.kv_transfer.base import KVLayout, Staged, slab_bytes
+    from pdserve.kv_transfer.messages import KVReady
+    from pdserve.kv_transfer.nixl_common import NixlOptions
+    from pdserve.kv_transfer.nixl_sender import NixlSession
     from pdserve.messages import decode
 
     kv = torch.zeros(4, 16, 2, 4, 1, 8)  # 4 layers; a chunk of 2 layers at 2 blocks a slab each
@@ -892,18 +898,18 @@ def test_layer_chunks_follow_the_forward_except_when_both_caches_share_a_gpu(sam
     sent: list = []
     plane = types.SimpleNamespace(
         kv=kv,
-        layout=nb.KVLayout.of(kv),
+        layout=KVLayout.of(kv),
         slab_bytes=slab_bytes(kv),
-        options=nb.NixlOptions(layer_chunk_bytes=2 * 2 * slab_bytes(kv)),
+        options=NixlOptions(layer_chunk_bytes=2 * 2 * slab_bytes(kv)),
         progress=None,
         _xfer_ids=itertools.count(1),
     )
     link = types.SimpleNamespace(address="tcp://peer", send=lambda frames, deadline: sent.append(frames))
-    session = nb.NixlSession(plane, link, same_gpu=same_gpu)
+    session = NixlSession(plane, link, same_gpu=same_gpu)
     staged = Staged(None, [3, 4], [(i + 1, Event(i + 1)) for i in range(4)])
-    commit = nb.KVCommit("r", 7)
+    commit = KVCommit("r", 7)
     session.deliver("r", staged, [5, 6], time.monotonic() + 10, commit)
-    offers = [decode(frames[0], nb.KVReady) for frames in sent]
+    offers = [decode(frames[0], KVReady) for frames in sent]
     if same_gpu:
         assert [(o.layer_start, o.layer_end) for o in offers] == [(0, 4)] and waited == [4]
     else:

@@ -85,7 +85,7 @@ def _sync(device: str) -> None:
 
 
 def _nixl_agent(name: str):
-    from pdserve.kv_transfer.nixl_backend import nixl_api
+    from pdserve.kv_transfer.nixl_common import nixl_api
 
     api = nixl_api()
     return api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
@@ -464,7 +464,7 @@ class _Probe:
     that reach them (a microsecond or two each); ``close`` puts the methods back."""
 
     def __init__(self, side: str) -> None:
-        from pdserve.kv_transfer import control_receiver, control_sender, nixl_backend, zmq_backend
+        from pdserve.kv_transfer import control_receiver, control_sender, nixl_receiver, zmq_backend
         from pdserve.kv_transfer.messages import KVAck, KVCommit
 
         self.stamps: dict[str, dict[str, float]] = {}
@@ -472,7 +472,7 @@ class _Probe:
         self.current: str | None = None  # the request of the job the peer thread runs
         host, nixl, zmq_ = (
             control_receiver.ControlReceiver,
-            nixl_backend.NixlReceiverPlane,
+            nixl_receiver.NixlReceiverPlane,
             zmq_backend.ZmqReceiverPlane,
         )
         data = lambda a, r: a[1].request_id if not isinstance(a[1], KVCommit) else None  # noqa: E731

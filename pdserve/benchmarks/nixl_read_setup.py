@@ -39,7 +39,7 @@ from pdserve.utils import YIELD_S, precise_sleeps
 
 
 def _setup(cuda: bool, block_bytes: int, num_blocks: int, fill: bool):
-    from pdserve.kv_transfer.nixl_backend import NixlOptions, _agent
+    from pdserve.kv_transfer.nixl_common import NixlOptions, make_agent
 
     if cuda:
         torch.cuda.set_device(0)
@@ -48,7 +48,7 @@ def _setup(cuda: bool, block_bytes: int, num_blocks: int, fill: bool):
         if fill
         else torch.zeros(num_blocks * block_bytes // 4, device="cuda" if cuda else "cpu")
     )
-    agent = _agent("bench", NixlOptions())
+    agent = make_agent("bench", NixlOptions())
     agent.register_memory(cache)
     return cache, agent
 

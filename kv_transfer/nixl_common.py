@@ -1,0 +1,127 @@
+"""What both sides of the NIXL transport share: its options, nixl's Python API (whichever build is
+installed) and agents, and a cache's memory as NIXL names it. The transport itself:
+``kv_transfer.nixl_backend``."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import uuid
+from dataclasses import dataclass, field
+from types import ModuleType
+
+import torch
+
+from pdserve import envs
+from pdserve.kv_transfer.staging import StagingOptions
+
+
+@dataclass(frozen=True)
+class NixlOptions:
+    max_desc_bytes: int = 0
+    """Longest descriptor of a READ (a multiple of the slab size; 0: runs are never cut). Cutting
+    long runs lets UCX move pieces of one READ on several lanes where the transport has them."""
+    max_read_s: float = 10.0
+    """A READ still running after this long is cancelled (it takes milliseconds on any sane link);
+    it bounds how long the engine thread's ``ReservationTable.release`` can wait."""
+    prepared_max_blocks: int = 64
+    """A READ of at most this many blocks (block-major, every layer) takes a descriptor per block
+    by index from the lists prepared once even where its blocks are consecutive; longer ones one
+    descriptor per run, built for the READ. The READ alone (``pdserve.benchmarks.nixl_read_setup``,
+    one H200, two processes, medians): built 28.8 / 31.9 / 58.5 / 153.5 / 535.1 us against
+    prepared 19.6 / 23.3 / 51.6 / 150.2 / 550.9 at 1 / 8 / 32 / 128 / 512 blocks of 2 MiB: a built
+    list costs ~8 us more up to a few dozen blocks, the same at 128, and per-block descriptors
+    cost more than one long one past that. (An earlier figure of ~0.4 ms more for a built list,
+    taken inside whole sends, did not hold once measured alone.)"""
+    descriptors_per_piece: int = 100
+    """A send is packed into staging slots (gather, one READ a slot, scatter) when READ in place it
+    would take more than this many descriptors for each piece it takes packed. Between two processes
+    on one H100 (``docs/benchmarks/kv_transfer_same_gpu_h100.json``) a descriptor cost ~8 us of a
+    READ, a packed piece ~0.8 ms of both nodes' time: in-place READs of blocks in order ran at 67
+    GB/s (64 MiB) to 581 (1 GiB), packed ones at 28-55; shuffled blocks, one descriptor per 64 KiB
+    slab, at 8-12 in place and 28-55 packed."""
+    pack_on_cpu: bool = False
+    """DRAM caches are read in place (packing costs two more copies on the CPU, and a descriptor
+    little); tests set this to run the packed path on the CPU."""
+    settle_spin_s: float = 75e-6
+    """On a GPU, after a send's last READ started, the control thread polls it in a tight loop for
+    up to this long before it goes back to its turns (each a ``YIELD_S`` sleep and the loop's own
+    work, ~12-17 us later than a tight poll sees the end: ``nixl_read_setup_polls_h200.json``):
+    a READ of up to ~64 MiB on one GPU ends within it, and the commit and ack go out at once. The
+    GIL is held meanwhile, once per send, for no longer than this; 0 turns it off."""
+    layer_chunk_bytes: int = 32 << 20
+    """With per-layer events, a send is offered in READs of layer chunks of about this size, each as
+    soon as its layers are written."""
+    staging: StagingOptions = field(default_factory=StagingOptions)
+    """The staging slots packed sends go through, on both sides."""
+    ucx_net_devices: str = ""
+    """UCX's network devices (NIXL's ``ucx_devices``; e.g. ``mlx5_0:1``); "" lets UCX choose."""
+    ucx_tls: str = ""
+    """UCX_TLS for the process's agents ("" leaves the operator's or UCX's choice)."""
+
+
+NIXL_BUILDS = ("nixl_cu13", "nixl_cu12")
+"""nixl's per-CUDA builds (PyPI ``nixl-cu13``, ``nixl-cu12``), tried in this order without the meta
+package ``nixl``, which picks the build matching torch's CUDA but installs both (the tests install
+one, see pyproject.toml)."""
+
+
+def nixl_api() -> ModuleType:
+    """nixl's Python API (``nixl_agent``, ``nixl_agent_config``, ...): the meta package's when it is
+    installed, else that of the one build that is. Raises ImportError without either."""
+    try:
+        import nixl._api as api
+    except ModuleNotFoundError as e:
+        if e.name != "nixl":
+            raise
+        for build in NIXL_BUILDS:
+            try:
+                return importlib.import_module(f"{build}._api")
+            except ModuleNotFoundError as missing:
+                if missing.name != build:
+                    raise
+        raise ImportError(f"nixl is not installed (neither `nixl` nor one of {NIXL_BUILDS})") from e
+    return api
+
+
+def nixl_available() -> bool:
+    try:
+        nixl_api()
+    except Exception:  # ImportError, or a wheel that cannot load its libraries here
+        return False
+    return True
+
+
+def make_agent(role: str, options: NixlOptions):
+    api = nixl_api()
+    # UCX reads its environment when the backend starts, just below: CUDA IPC READs on unless the
+    # operator chose otherwise (``envs.UCX_CUDA_IPC_GET_ZCOPY_DEFAULT`` says why), ``ucx_tls``.
+    envs.set_up_ucx(options.ucx_tls)
+    config = api.nixl_agent_config(
+        enable_prog_thread=False, backends=[], sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
+    )
+    agent = api.nixl_agent(f"pdserve-{role}-{uuid.uuid4().hex[:12]}", config)
+    devices = options.ucx_net_devices
+    agent.create_backend("UCX", {"ucx_devices": devices} if devices else {})
+    return agent
+
+
+def on_device(t: torch.Tensor):
+    """Make the tensor's CUDA context current on this thread (UCX asks the driver about pointers)."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+def mem_type(t: torch.Tensor) -> str:
+    return "VRAM" if t.is_cuda else "DRAM"
+
+
+def device_id(t: torch.Tensor) -> int:
+    return max(t.get_device(), 0)
+
+
+def gpu_uuid(t: torch.Tensor) -> str:
+    """The UUID of the GPU holding ``t`` (the same GPU whatever a process's device numbering); ""
+    for a CPU tensor or where torch does not say."""
+    if not t.is_cuda:
+        return ""
+    return str(getattr(torch.cuda.get_device_properties(t.device), "uuid", "") or "")
