@@ -1,6 +1,7 @@
 """The control host's prefill side: ``ControlSender`` speaks the protocol of ``control`` to each
 decode node over ``connections`` DEALER sockets, a thread each (``_Peer``), which run its jobs in
-order: handshakes, lease renewals and sends, whose blocks the agreed plane moves."""
+order: handshakes and sends, whose blocks the agreed plane moves. Lease renewals do not wait their
+turn: the thread sends them between its jobs and while it waits for a reply (``_Peer.renewals``)."""
 
 from __future__ import annotations
 
@@ -54,6 +55,12 @@ LANE_CONNECT_S = 2.0
 REFUSED_DRAIN_S = 1.0
 """After a refused commit, how long the sender waits for its data to finish leaving before it
 takes the connection for broken (the peer drains data before it answers the commit)."""
+RENEW_CHECK_S = 0.05
+"""While a peer's thread waits for a reply, it looks this often for lease renewals to send."""
+RENEW_TIMEOUT_S = 5.0
+"""How long a lease renewal may take to go out (counted from when it is sent, not queued)."""
+MAX_RENEWALS = 256
+"""Renewals kept for a peer that cannot be reached yet; older ones (stale by then) are dropped."""
 
 
 class _Expired(KVTransferError):
@@ -63,14 +70,14 @@ class _Expired(KVTransferError):
 @dataclass
 class _Job:
     info: NodeInfo
-    request_id: str  # or, for a lease renewal, "" with ``renew`` set
+    request_id: str  # or "" for a handshake or a renewal's wake-up
     staged: Staged | None  # None for a bare handshake or a renewal
     dst_block_ids: list[int]
     commit: KVCommit | None  # None: more blocks follow later
     timeout: float
     future: Future | None  # a send's: a KVSendFuture (made by ``_Peer.submit``), whose ``released``
     # the peer's thread resolves
-    renew: KVRenew | None = None
+    renew: bool = False  # wakes the thread to send the renewals queued (``_Peer.renewals``)
     queued_at: float = field(default_factory=time.monotonic)
     delivered: bool = False  # sent on the caller's thread (``_Peer.submit``): the peer's waits for the ack
     finish: Callable[[float], None] | None = None  # what ``deliver`` returned there
@@ -81,7 +88,7 @@ class _Job:
         queued: jobs queued behind others for a peer that died all fail by then, rather than each
         waiting out its whole timeout in turn (which kept a dead decode node's pinned blocks for N x
         the timeout). A lease renewal counts from its start: late is better than never."""
-        return (started if self.renew is not None else self.queued_at) + self.timeout
+        return (started if self.renew else self.queued_at) + self.timeout
 
 
 class _Peer(ControlLink):
@@ -102,6 +109,12 @@ class _Peer(ControlLink):
         self.refused = ""  # permanent handshake refusal
         self.failed: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._waiting_for = ""
+        self.renewals: collections.deque[KVRenew] = collections.deque(maxlen=MAX_RENEWALS)
+        """Lease renewals to send, appended by any thread (``ControlSender.renew``): the peer's thread
+        sends them as soon as it is connected and not inside a message, between its jobs and
+        while it waits for a reply, so that they never wait behind other jobs (sends queued behind
+        acks held them for seconds: a slow prefill node's leases ran out while it still renewed
+        them)."""
         self._turn = threading.Lock()
         """Held by whoever uses the connection: the peer's thread while it runs a job, or a caller's
         thread sending a job's data at once (``submit``)."""
@@ -236,10 +249,12 @@ class _Peer(ControlLink):
         progress call) runs every millisecond without one. Replies come on the lane once there is
         one (the receiver answers there), else on the control connection."""
         while True:
+            if self.renewals and self.peer_info is not None:
+                self._renew_now()
             left = deadline - time.monotonic()
             if left <= 0:
                 raise KVTransferError(f"no reply from KV peer {self.address} in time")
-            wait = min(left, HANDSHAKE_RESEND_S) if resend else left
+            wait = min(left, HANDSHAKE_RESEND_S) if resend else min(left, RENEW_CHECK_S)
             if self.lane is not None:
                 body = self.lane.recv(0.001 if idle is not None else wait)
             elif self.sock.poll(1 if idle is not None else int(wait * 1000) + 1):
@@ -341,14 +356,16 @@ class _Peer(ControlLink):
                 raise job.error
             return self._conclude(job, deadline, job.finish, inline=True)
         if self.refused:
+            self.renewals.clear()  # nothing will take them
             raise KVHandshakeRefused(self.refused)
         self._waiting_for = ""
         if self.sock is None:
             self._connect()
         if self.peer_info is None:
             self._open(job.info, deadline)
-        if job.renew is not None:
-            self.send([encode(job.renew)], deadline)
+        if self.renewals:
+            self._renew_now()
+        if job.renew:
             return None
         staged = job.staged
         if staged is None:
@@ -369,6 +386,11 @@ class _Peer(ControlLink):
                 finish(deadline)
             return None
         return self._conclude(job, deadline, finish, inline)
+
+    def _renew_now(self) -> None:
+        """Send the lease renewals queued so far (the connection is open, between messages)."""
+        while self.renewals:
+            self.send([encode(self.renewals.popleft())], time.monotonic() + RENEW_TIMEOUT_S)
 
     def _conclude(self, job: _Job, deadline: float, finish, inline: bool) -> KVAck:
         """The commit (unless it went inside the data) and its ack; then the data's end."""
@@ -446,8 +468,9 @@ class ControlSender(KVSender):
             return more[lane - 1]
 
     def renew(self, address: str, info: NodeInfo, request_ids: Sequence[str]) -> None:
-        job = _Job(info, "", None, [], None, 5.0, Future(), renew=KVRenew(list(request_ids)))
-        self._peer(address).jobs.put(job)
+        peer = self._peer(address)
+        peer.renewals.append(KVRenew(list(request_ids)))
+        peer.jobs.put(_Job(info, "", None, [], None, RENEW_TIMEOUT_S, Future(), renew=True))
 
     def handshake(self, address: str, info: NodeInfo, timeout: float) -> NodeInfo:
         fut: Future = Future()

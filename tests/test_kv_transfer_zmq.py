@@ -20,7 +20,7 @@ from pdserve.kv_transfer import (
     create_receiver,
     create_sender,
 )
-from pdserve.kv_transfer.lane import LaneClosed
+from pdserve.kv_transfer.lane import LaneClosed, SenderLane
 from pdserve.kv_transfer.messages import KVAck, KVBlocks, KVCommit
 from pdserve.messages import NodeInfo, decode, encode
 
@@ -180,6 +180,41 @@ def test_renewed_lease_outlives_its_first_deadline(pair):
     assert ack.ok
     with pytest.raises(KVTransferError, match="lease expired"):
         sender.send(address, p, "r8", [0], [6], KVCommit("r8", 1), 5).result()
+
+
+def test_a_renewal_does_not_wait_behind_a_send_waiting_for_its_ack(monkeypatch):
+    """Lease renewals do not take their turn behind the peer's jobs: one asked for while the peer's
+    thread waits for an earlier send's ack (which the sender does not read for a while here) goes
+    out then, and the lease it renews outlives its first deadline. (Queued behind sends waiting for
+    their acks, a slow prefill node's renewals came seconds late and its leases ran out.)"""
+    ends = _ends(True)
+    try:
+        p = info("prefill-0")
+        ends.sender.handshake(ends.address, p, 5)
+        hold = threading.Event()
+        hold.set()
+        recv = SenderLane.recv
+
+        def held(self, timeout):  # the ack stays in the socket while ``hold`` is set
+            if hold.is_set():
+                time.sleep(min(timeout, 0.01))
+                return None
+            return recv(self, timeout)
+
+        monkeypatch.setattr(SenderLane, "recv", held)
+        ends.table.add("slow", [1], time.time() + 30)
+        start = time.time()
+        ends.table.add("leased", [2], start + 2.0)
+        fut = ends.sender.send(ends.address, p, "slow", [1], [1], KVCommit("slow", 1), 10)
+        time.sleep(1.0)
+        ends.sender.renew(ends.address, p, ["leased"])  # the peer's thread waits for slow's ack
+        time.sleep(max(0.0, start + 2.4 - time.time()))  # past the first deadline, before the renewed one
+        assert ends.table.expired() == []
+        hold.clear()
+        assert fut.result(timeout=10).ok
+    finally:
+        ends.sender.close()
+        ends.receiver.close()
 
 
 # -- runs sent in place, one frame per (layer, run) -------------------------------------------------
