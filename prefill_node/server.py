@@ -36,8 +36,9 @@ prefilled in chunks ships each chunk's full blocks while the next chunk runs. Th
 follows after the step. A preempted prompt's blocks may be reused before such a chunk was
 read, so after a preemption its blocks are shipped again from the first one.
 
-Each prompt in flight is one ``Shipment``: where its KV goes, what was shipped and its lease
-renewals, each field written by one thread.
+Each prompt in flight is one ``Shipment``: where its KV goes and what was shipped, each field
+written by one thread. Its decode lease is renewed by a thread of its own (``leases.LeaseKeeper``),
+from the moment the landing is read off the node's command socket.
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ from pdserve.node.channel import ChannelServer, Peer
 from pdserve.node.core_client import CoreRefused
 from pdserve.node.framework import NodeState, node_app
 from pdserve.node.service import NodeRefused, NodeService
+from pdserve.prefill_node.leases import LeaseKeeper
 from pdserve.utils import cdiv, wait_at_most
 
 logger = logging.getLogger(__name__)
@@ -104,17 +106,13 @@ class Shipment:
     """One prompt's KV on its way to a decode node, from its admission until its call handler returns.
 
     Threads (all in the engine core process): the engine loop creates it and owns its membership
-    in ``PrefillService.shipments`` (``open``, ``close``); the lease renewer only reads that dict.
-    Each field below says which thread writes it."""
+    in ``PrefillService.shipments`` (``open``, ``close``). Each field below says which thread
+    writes it."""
 
     request_id: str
     landing: LandingDescriptor | None
     """Engine loop: where the KV goes, the decode node's blocks and address; None until a landing
     sent after the prompt comes (then never changes)."""
-    renew_at: float = 0.0
-    """Renewer: when the decode node's lease is renewed next (``time.monotonic``)."""
-    renew_every: float = 0.0
-    """A third of the lease's length (never changes)."""
     stage: Stage = Stage.ADMITTED
     """Engine loop."""
     num_blocks_sent: int = 0
@@ -130,12 +128,16 @@ class PrefillService(NodeService):
     """Computes prompts whose decode happens on another node, and ships their KV there."""
 
     RENEW_TICK_S = 0.05
+    UNCONFIRMED_LEASE_S = 60.0
+    """A landing read off the command socket is renewed this long at most before the engine loop
+    takes it (``LeaseKeeper``); it confirms or drops it well before, unless the core is stuck."""
 
     def __init__(self, state) -> None:
         super().__init__(state)
         self.sender = None
         self.shipments: dict[str, Shipment] = {}
         """Request id -> its shipment; added and removed on the engine loop only (``open``, ``close``)."""
+        self.leases = LeaseKeeper(self.UNCONFIRMED_LEASE_S)
         self._stop = threading.Event()
         self._renewer: threading.Thread | None = None
         self._handshakes: dict[str, Future] = {}  # engine loop only: decode KV address -> handshake
@@ -173,6 +175,18 @@ class PrefillService(NodeService):
             LandPrefill: self._land_call,
             ClosePrefill: lambda msg: self.close(msg.request_id),
         }
+
+    def early(self, body) -> None:
+        """A landing's lease is renewed from when its command is read, not when the engine loop
+        takes it (``leases``)."""
+        if isinstance(body, AddPrefill):
+            landing = body.msg.landing
+        elif isinstance(body, LandPrefill):
+            landing = body.landing
+        else:
+            landing = None
+        if landing is not None:
+            self.leases.keep(landing, confirmed=False)
 
     # -- engine loop ---------------------------------------------------------------------------
 
@@ -220,9 +234,11 @@ class PrefillService(NodeService):
 
         def run() -> None:
             if not still_wanted():
+                self.leases.drop(rid)
                 why = f"prefill {rid!r} ended before its decode node's handshake did"
                 raise NodeRefused(499, why, "cancelled")
             if shaken.exception() is not None:
+                self.leases.drop(rid)
                 raise shaken.exception()
             then()
 
@@ -261,12 +277,8 @@ class PrefillService(NodeService):
             self._set_landing(shipment, msg.landing)
         return shipment
 
-    @staticmethod
-    def _set_landing(shipment: Shipment, landing: LandingDescriptor) -> None:
-        # The renewer skips a shipment without a landing: its renewal times are set first.
-        period = max(0.1, (landing.lease_deadline - time.time()) / 3)
-        shipment.renew_every = period
-        shipment.renew_at = time.monotonic() + period
+    def _set_landing(self, shipment: Shipment, landing: LandingDescriptor) -> None:
+        self.leases.keep(landing, confirmed=True)  # renewed already if its command was read
         shipment.landing = landing
 
     def _land_call(self, call: LandPrefill) -> Future | None:
@@ -285,6 +297,8 @@ class PrefillService(NodeService):
             )
 
         if shipment is None or not still_wanted():
+            if shipment is None or shipment.landing is None:  # else: renewed for its own landing
+                self.leases.drop(rid)
             raise NodeRefused(404, f"no prefill of {rid!r} awaits a landing here", "not_found")
         return self._after_handshake(
             landing.kv_address, rid, still_wanted, lambda: self.land(shipment, landing)
@@ -303,23 +317,17 @@ class PrefillService(NodeService):
         outcome of a send still in flight has no one to go to. Blocks held for a landing that
         never came are freed."""
         self._awaiting_handshake.discard(request_id)
+        self.leases.drop(request_id)
         shipment = self.shipments.pop(request_id, None)
         if shipment is not None and shipment.stage is Stage.LANDING:
             shipment.stage = Stage.DONE
             self.state.engine.release_held(request_id)
 
     def _renew_leases(self) -> None:
-        """While a prompt is on this node, renew its decode lease three times per lease length.
-
-        A thread of its own, not the engine loop, so long engine steps cannot delay it."""
+        """While a prompt is on this node, renew its decode lease three times per lease length
+        (``leases``). A thread of its own, not the engine loop, so long engine steps cannot delay it."""
         while not self._stop.wait(self.RENEW_TICK_S):
-            now = time.monotonic()
-            due: dict[str, list[str]] = {}
-            for shipment in list(self.shipments.values()):
-                if shipment.landing is not None and now >= shipment.renew_at:
-                    due.setdefault(shipment.landing.kv_address, []).append(shipment.request_id)
-                    shipment.renew_at = now + shipment.renew_every
-            for address, request_ids in due.items():
+            for address, request_ids in self.leases.due().items():
                 try:
                     self.sender.renew(address, self.state.info, request_ids)
                 except Exception:
@@ -487,9 +495,11 @@ class _Awaited:
     """A prefill call that came without its landing (node process, event loop only)."""
 
     num_prompt_tokens: int
-    added: asyncio.Future
-    """Done once the prompt reached the engine core (its shipment is open there); cancelled if the
-    call ended before."""
+    sent: asyncio.Future
+    """Done once the prompt's ``AddPrefill`` went to the engine core, which takes commands in order:
+    a ``LandPrefill`` sent after it is taken after it (and its lease renewed from when it is read
+    there, however long the engine loop's step: ``prefill_node.leases``); cancelled if the call
+    ended before."""
     landed: asyncio.Future
     """Done once its landing reached the engine core (``LandPrefill``); an exception if the core
     refused it; cancelled if the call ended before."""
@@ -530,7 +540,10 @@ def add_prefill_calls(channel: ChannelServer, state: NodeState) -> None:
                 try:
                     # Handshakes with the decode node (once), then opens its shipment: the lease
                     # is renewed. Without a landing: opens the shipment only.
-                    await state.core.call(AddPrefill(msg))
+                    added = state.core.submit(AddPrefill(msg))
+                    if awaited is not None:
+                        awaited.sent.set_result(None)
+                    await added
                 except BaseException as exc:
                     _forget(rid, transfer)
                     if isinstance(exc, asyncio.CancelledError):  # the add may still run: undo it after
@@ -541,8 +554,6 @@ def add_prefill_calls(channel: ChannelServer, state: NodeState) -> None:
                     if isinstance(exc, CoreRefused) and exc.kind == "value_error":
                         raise fail(msg, 400, exc.message) from None
                     raise
-            if awaited is not None:
-                awaited.added.set_result(None)
             try:
                 return await _prefill(msg, sub, transfer, arrived, awaited)
             finally:
@@ -552,7 +563,7 @@ def add_prefill_calls(channel: ChannelServer, state: NodeState) -> None:
             if awaited is not None:
                 if awaiting.get(rid) is awaited:
                     del awaiting[rid]
-                awaited.added.cancel()  # no-ops once done
+                awaited.sent.cancel()  # no-ops once done
                 awaited.landed.cancel()
 
     def _forget(rid: str, transfer: asyncio.Future) -> None:
@@ -611,9 +622,9 @@ def add_prefill_calls(channel: ChannelServer, state: NodeState) -> None:
             logger.warning("landing of %s refused: %s", rid, error)
             refuse(awaited, error)  # the prefill fails at once, not at its landing timeout
             raise NodeRefused(500, error, "prefill_failed")  # a cluster bug, not the client's
-        if not awaited.added.done():
-            await wait_at_most(awaited.added, None)  # this call's own cancellation is not swallowed
-            if awaited.added.cancelled():  # the prefill ended before it reached the core
+        if not awaited.sent.done():
+            await wait_at_most(awaited.sent, None)  # this call's own cancellation is not swallowed
+            if awaited.sent.cancelled():  # the prefill ended before its AddPrefill went out
                 raise NodeRefused(404, f"the prefill of {rid!r} ended before its landing came", "not_found")
         try:
             await state.core.call(LandPrefill(landing))

@@ -98,28 +98,11 @@ def test_a_prefill_call_cancelled_as_its_channel_opens_never_goes_out(turns_befo
     assert "PrefillRequest" not in sent, sent
 
 
-def test_a_landing_call_cancelled_while_its_prompt_reaches_the_core_lands_nothing():
-    """The prefill node's ``PrefillLanding`` handler waits for its prompt to reach the engine core;
-    cancelled meanwhile (its proxy gone), it ends there, and never hands the core the landing
-    (a suppressed CancelledError had it run on)."""
+def _landing_handlers(core, admission):
     handlers: dict = {}
-    core_calls: list[str] = []
-
-    class _Core:
-        async def call(self, msg):
-            core_calls.append(type(msg).__name__)
-            await asyncio.sleep(3600)  # the prompt is still on its way to the core
-
-        def send(self, msg):
-            pass
-
-    @contextlib.asynccontextmanager
-    async def admission(deadline):
-        yield
-
     state = types.SimpleNamespace(
         info=types.SimpleNamespace(block_size=16),
-        core=_Core(),
+        core=core,
         admission=admission,
         transfers={},
         subs=types.SimpleNamespace(subscribe=lambda rid: None),
@@ -127,8 +110,44 @@ def test_a_landing_call_cancelled_while_its_prompt_reaches_the_core_lands_nothin
     )
     channel = types.SimpleNamespace(handle=lambda kind, fn: handlers.__setitem__(kind, fn))
     add_prefill_calls(channel, state)
+    return handlers
 
-    async def run() -> tuple[str, list[str]]:
+
+class _Core:
+    """The engine core as the node process sees it: commands recorded, none ever answered."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def submit(self, msg):
+        self.calls.append(type(msg).__name__)
+        return asyncio.get_running_loop().create_future()
+
+    async def call(self, msg):
+        return await self.submit(msg)
+
+    def send(self, msg):
+        pass
+
+
+@pytest.mark.parametrize("admitted", [False, True])
+def test_a_landing_goes_to_the_core_right_behind_its_prompt_and_a_cancelled_one_lands_nothing(admitted):
+    """The prefill node's ``PrefillLanding`` handler waits only until its prompt's ``AddPrefill``
+    went to the engine core (which takes commands in order), not for the core's answer: a core
+    busy with a long step reads the landing, and renews its lease, right away. Cancelled while
+    it waits (its proxy gone, the prompt not yet past admission), it ends there and never hands
+    the core the landing (a suppressed CancelledError had it run on)."""
+    core = _Core()
+
+    @contextlib.asynccontextmanager
+    async def admission(deadline):
+        if not admitted:
+            await asyncio.sleep(3600)  # the prompt is still on its way to the core
+        yield
+
+    handlers = _landing_handlers(core, admission)
+
+    async def run() -> str:
         prompt = list(range(40))  # 3 blocks
         prefill = asyncio.ensure_future(
             handlers[PrefillRequest](None, PrefillRequest("r1", prompt, SamplingParams(max_tokens=1)))
@@ -138,14 +157,17 @@ def test_a_landing_call_cancelled_while_its_prompt_reaches_the_core_lands_nothin
         land = asyncio.ensure_future(handlers[PrefillLanding](None, PrefillLanding(landing)))
         for _ in range(3):
             await asyncio.sleep(0)
-        land.cancel()
-        done, _ = await asyncio.wait({land}, timeout=1.0)
-        outcome = "cancelled" if done and land.cancelled() else "ran on"
+        if not admitted:
+            land.cancel()
+        done, _ = await asyncio.wait({land}, timeout=0.2)
+        outcome = "cancelled" if done and land.cancelled() else "waiting"
         for task in (land, prefill):
             task.cancel()
         await asyncio.gather(land, prefill, return_exceptions=True)
-        return outcome, core_calls
+        return outcome
 
-    outcome, calls = asyncio.run(run())
-    assert calls[:1] == [AddPrefill.__name__]
-    assert outcome == "cancelled" and LandPrefill.__name__ not in calls, (outcome, calls)
+    outcome = asyncio.run(run())
+    if admitted:  # the prompt's AddPrefill unanswered: the landing went right behind it
+        assert core.calls == [AddPrefill.__name__, LandPrefill.__name__] and outcome == "waiting"
+    else:
+        assert outcome == "cancelled" and core.calls == [], (outcome, core.calls)

@@ -175,16 +175,20 @@ class CoreClient:
 
     async def call(self, body: Message) -> Any:
         """Run ``body`` in the core (between engine steps) and return its reply's body."""
+        return await self.submit(body)
+
+    def submit(self, body: Message) -> asyncio.Future:
+        """Send ``body`` to the core now and return the future of its reply's body (what ``call``
+        awaits). The core takes commands in the order they were sent."""
         if self.gone:
             raise CoreGone(self.gone)
         call_id = next(self._ids)
         fut = self._calls[call_id] = asyncio.get_running_loop().create_future()
-        try:
-            if not self._push(CoreCall(call_id, body)):
-                raise CoreGone("its command socket refused the call")
-            return await fut
-        finally:
-            self._calls.pop(call_id, None)
+        fut.add_done_callback(lambda _: self._calls.pop(call_id, None))  # answered, failed or cancelled
+        if not self._push(CoreCall(call_id, body)):
+            fut.cancel()
+            raise CoreGone("its command socket refused the call")
+        return fut
 
     def send(self, body: Message) -> None:
         """Run ``body`` in the core; no reply (nothing is sent once the core is gone)."""

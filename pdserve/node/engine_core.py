@@ -197,6 +197,15 @@ class CoreState:
         if call.call_id:
             self.send(CoreReply(call.call_id, body=body))
 
+    def early(self, body: Message) -> None:
+        """The services' look at a command as it is read, before the engine loop takes it
+        (``NodeService.early``); command-reader thread."""
+        for service in self.services:
+            try:
+                service.early(body)
+            except Exception:  # the command still goes to the engine loop
+                logger.exception("%s.early failed on %s", type(service).__name__, type(body).__name__)
+
     def _answer_future(self, call: CoreCall, fut: Future) -> None:
         exc = fut.exception()
         if exc is not None:
@@ -410,6 +419,7 @@ def run_core(
             except msgspec.DecodeError:
                 logger.exception("bad command from the node")
                 continue
+            core.early(call.body)
             core.loop.submit(lambda engine, call=call: core.handle(call))
 
     threading.Thread(target=read, name="core-commands", daemon=True).start()

@@ -128,6 +128,11 @@ class NodeService:
         the answer comes later), or raises ``NodeRefused``/ValueError."""
         return {}
 
+    def early(self, body) -> None:
+        """On the thread that reads the node's commands, as ``body`` arrives, before the engine loop
+        takes it (between steps): for what must not wait for a step (a prefill node's lease
+        renewals). Quick and thread-safe; must not raise."""
+
     def after_step(self, outputs: list[RequestOutput]) -> None:
         """After each engine step."""
 
