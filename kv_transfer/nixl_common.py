@@ -13,7 +13,8 @@ from types import ModuleType
 import torch
 
 from pdserve import envs
-from pdserve.kv_transfer.staging import StagingOptions
+from pdserve.kv_transfer.base import KVLayout, region_bytes, slab_bytes
+from pdserve.kv_transfer.staging import StagePool, StagingOptions
 
 
 @dataclass(frozen=True)
@@ -125,3 +126,22 @@ def gpu_uuid(t: torch.Tensor) -> str:
     if not t.is_cuda:
         return ""
     return str(getattr(torch.cuda.get_device_properties(t.device), "uuid", "") or "")
+
+
+class CacheEnd:
+    """A plane's side of its cache, the same on both nodes (``take_cache``): its layout, GPU and
+    staging pool, and an agent of its own with the whole cache and the pool registered once."""
+
+    options: NixlOptions
+
+    def take_cache(self, kv: torch.Tensor, role: str) -> None:
+        self.kv = kv
+        self.slab_bytes = slab_bytes(kv)
+        self.layout = KVLayout.of(kv)
+        self.gpu = gpu_uuid(kv)
+        self.pool = StagePool(kv, self.options.staging)
+        with on_device(kv):
+            self.agent = make_agent(role, self.options)
+            self._registered = self.agent.register_memory(region_bytes(kv))
+            self._registered_pool = self.agent.register_memory(self.pool.buf)
+            self.stream = torch.cuda.Stream(kv.device) if kv.is_cuda else None

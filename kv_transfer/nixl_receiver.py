@@ -19,9 +19,7 @@ from pdserve.kv_transfer.base import (
     ReservationTable,
     block_index,
     coalesce,
-    region_bytes,
     scatter_from,
-    slab_bytes,
     valid_block_ids,
 )
 from pdserve.kv_transfer.messages import (
@@ -34,9 +32,14 @@ from pdserve.kv_transfer.messages import (
     NixlAccept,
     NixlOffer,
 )
-from pdserve.kv_transfer.nixl_common import NixlOptions, device_id, gpu_uuid, make_agent, mem_type, on_device
+from pdserve.kv_transfer.nixl_common import (
+    CacheEnd,
+    NixlOptions,
+    device_id,
+    mem_type,
+    on_device,
+)
 from pdserve.kv_transfer.plane import Outbox, ReceiverPlane
-from pdserve.kv_transfer.staging import StagePool
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +118,7 @@ class _Read:
     scatter: object = None  # packed: the CUDA event after the scatter (True once done on the CPU)
 
 
-class NixlReceiverPlane(ReceiverPlane):
+class NixlReceiverPlane(CacheEnd, ReceiverPlane):
     """Runs on the receiver's control thread (with the cache's device current): a KVReady starts
     its READ at once (``handle``), and every turn of the control loop checks the READs in flight
     (``poll``), so a READ's end is answered without a thread hand-off. While READs run, the
@@ -151,17 +154,10 @@ class NixlReceiverPlane(ReceiverPlane):
         on_commit: Callable[[KVCommit], None],
         host: str,
     ) -> None:
-        self.kv, self.table, self.outbox, self.on_commit = kv, table, outbox, on_commit
+        self.table, self.outbox, self.on_commit = table, outbox, on_commit
         self.num_layers, self.num_blocks = kv.shape[0], kv.shape[1]
-        self.slab_bytes = slab_bytes(kv)
-        self.layout = KVLayout.of(kv)
-        self.gpu = gpu_uuid(kv)
-        self.pool = StagePool(kv, self.options.staging)
+        self.take_cache(kv, "decode")
         with on_device(kv):
-            self.agent = make_agent("decode", self.options)
-            self._registered = self.agent.register_memory(region_bytes(kv))  # the whole cache, once
-            self._registered_pool = self.agent.register_memory(self.pool.buf)
-            self.stream = torch.cuda.Stream(kv.device) if kv.is_cuda else None
             # Every unit (block or slab) of the cache as one prepared list, once (see the docstring).
             units = _unit_array(kv.data_ptr(), self.layout, device_id(kv))
             self._units = _prepared(self.agent, "NIXL_INIT_AGENT", units, mem_type(kv))

@@ -24,7 +24,6 @@ from pdserve.kv_transfer.base import (
     in_place,
     layer_chunks,
     num_regions,
-    region_bytes,
     slab_bytes,
 )
 from pdserve.kv_transfer.messages import (
@@ -37,13 +36,19 @@ from pdserve.kv_transfer.messages import (
     NixlAccept,
     NixlOffer,
 )
-from pdserve.kv_transfer.nixl_common import NixlOptions, device_id, gpu_uuid, make_agent, mem_type, on_device
+from pdserve.kv_transfer.nixl_common import (
+    CacheEnd,
+    NixlOptions,
+    device_id,
+    mem_type,
+    on_device,
+)
 from pdserve.kv_transfer.plane import ControlLink, SenderPlane, SenderSession
-from pdserve.kv_transfer.staging import StagePool, stage_pieces
+from pdserve.kv_transfer.staging import stage_pieces
 from pdserve.messages import encode
 
 
-class NixlSenderPlane(SenderPlane):
+class NixlSenderPlane(CacheEnd, SenderPlane):
     name = "nixl"
 
     def __init__(self, options: NixlOptions = NixlOptions()) -> None:
@@ -53,16 +58,7 @@ class NixlSenderPlane(SenderPlane):
         self._remotes: set[str] = set()
 
     def register(self, kv: torch.Tensor) -> None:
-        self.kv = kv
-        self.slab_bytes = slab_bytes(kv)
-        self.layout = KVLayout.of(kv)
-        self.gpu = gpu_uuid(kv)
-        self.pool = StagePool(kv, self.options.staging)
-        with on_device(kv):
-            self.agent = make_agent("prefill", self.options)
-            self._registered = self.agent.register_memory(region_bytes(kv))  # the whole cache, once
-            self._registered_pool = self.agent.register_memory(self.pool.buf)
-            self.stream = torch.cuda.Stream(kv.device) if kv.is_cuda else None
+        self.take_cache(kv, "prefill")
 
     def offer(self) -> NixlOffer:
         kv = self.kv
