@@ -51,8 +51,8 @@ def kv_cache(fill: bool, block_major: bool = True) -> torch.Tensor:
 
 
 FORCED: tuple = ()
-"""Transport options for the senders and receivers this process makes (set per test below; a
-process spawned by a test starts with none, as it imports this module afresh)."""
+"""Transport options for the senders and receivers this process makes (set per test below, and
+handed to a process a test spawns: ``Remote``)."""
 
 
 @pytest.fixture(autouse=True)
@@ -611,11 +611,19 @@ def _send_from_child(name: str, address: str, conn) -> None:
     time.sleep(60)
 
 
+def _with_forced(forced: tuple, target, *args) -> None:
+    """Run ``target`` in a spawned process under the test's forced transport options (it imported
+    this module afresh, with none): a receiver there must accept what the test's sender sends."""
+    global FORCED
+    FORCED = forced
+    target(*args)
+
+
 class Remote:
     def __init__(self, target, *args) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=target, args=(*args, child), daemon=True)
+        self.proc = ctx.Process(target=_with_forced, args=(FORCED, target, *args, child), daemon=True)
         self.proc.start()
 
     def call(self, *cmd, timeout: float = 30):
