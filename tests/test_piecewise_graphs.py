@@ -79,7 +79,8 @@ def test_pieces_match_the_forward(tiny_models, arch):
         runner.kv_cache.copy_(cache)  # the pieces write the step's KV themselves
         layers = []
         with torch.inference_mode():
-            got = graphs.run(ids, positions, slots, meta, after_layer=layers.append).clone()
+            assert torch.equal(graphs.load(ids, positions, slots), meta.slot_mapping)
+            got = graphs.run(meta, after_layer=layers.append).clone()
         assert layers == list(range(model.arch.num_layers))
         assert got.shape == expect.shape
         torch.testing.assert_close(got, expect, rtol=1e-5, atol=1e-5)
@@ -101,7 +102,8 @@ def test_device_inputs_fill_the_padded_ids(tiny_models):
         expect = model(torch.tensor(real), torch.tensor(positions), meta, backend).clone()
         placeholder = [5, 0, 99, 0, 11]
         fill = (torch.tensor([1, 3]), torch.tensor([17, 23]))
-        got = graphs.run(placeholder, positions, slots, meta, fill=fill)
+        graphs.load(placeholder, positions, slots, fill=fill)
+        got = graphs.run(meta)
     torch.testing.assert_close(got, expect, rtol=1e-5, atol=1e-5)
 
 
@@ -121,7 +123,7 @@ def test_gpu_piecewise_graphs_match_eager(tiny_models, arch):
     assert runner.piecewise is not None and runner.piecewise.buckets == [16, 32, 64, 96]
     runs = []
     run = runner.piecewise.run
-    runner.piecewise.run = lambda ids, *a, **k: runs.append(len(ids)) or run(ids, *a, **k)
+    runner.piecewise.run = lambda meta, *a, **k: runs.append(meta.num_tokens) or run(meta, *a, **k)
     eager = LLM(str(tiny_models[arch]), enforce_eager=True, **kwargs)
     assert eager.engine.runner.piecewise is None
 

@@ -34,7 +34,7 @@ class AttentionMetadata:
     @classmethod
     def build(
         cls,
-        slot_mapping: list[int],
+        slot_mapping: list[int] | torch.Tensor,  # a tensor: already on the device
         block_tables: list[list[int]],
         seq_lens: list[int],
         query_lens: list[int],
@@ -45,7 +45,11 @@ class AttentionMetadata:
             starts.append(starts[-1] + n)
         # Queued copies through pinned memory: building a step's metadata never waits for the device.
         return cls(
-            slot_mapping=to_device(slot_mapping, torch.long, device),
+            slot_mapping=(
+                slot_mapping
+                if isinstance(slot_mapping, torch.Tensor)
+                else to_device(slot_mapping, torch.long, device)
+            ),
             block_tables=to_device(block_tables, torch.int32, device),
             seq_lens=seq_lens,
             query_lens=query_lens,

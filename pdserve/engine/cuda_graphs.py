@@ -108,8 +108,9 @@ class DecodeGraphs:
         return self.model(self.tokens[0, :bs], self.tokens[1, :bs], meta, self.backend)
 
     @torch.inference_mode()
-    def capture(self) -> None:
-        """Capture every bucket, largest first, into one pool. Needs the KV cache bound."""
+    def capture(self, largest_only: bool = False) -> None:
+        """Capture every bucket (``largest_only``: the largest, to measure the pool's size), largest
+        first, into one pool. Needs the KV cache bound."""
         start = time.monotonic()
         # Capture-time inputs are padding rows: no KV is written, every context is one position.
         self.tokens[0].zero_()
@@ -118,7 +119,7 @@ class DecodeGraphs:
         self.seq_lens.fill_(1)
         self.block_tables.zero_()
         pool = torch.cuda.graph_pool_handle()
-        for bs in reversed(self.buckets):
+        for bs in reversed(self.buckets[-1:] if largest_only else self.buckets):
             meta = self._metadata(bs)
             # Warm-up outside the capture: Triton compiles each bucket's kernels, cuBLAS picks its
             # algorithms and workspaces.
@@ -132,7 +133,7 @@ class DecodeGraphs:
         logger.info(
             "captured %d CUDA graphs for decode batch sizes %s in %.1f s",
             len(self.graphs),
-            ",".join(map(str, self.buckets)),
+            ",".join(map(str, sorted(self.graphs))),
             time.monotonic() - start,
         )
 

@@ -151,7 +151,7 @@ class LLMEngine:
             )
             self.runner = ModelRunner(config, self.arch, self.model)
             self.sampler = Sampler(self.eos_token_ids, seed=config.model.seed, device=config.torch_device)
-        num_blocks = self.runner.determine_num_blocks()
+        num_blocks = self.runner.determine_num_blocks(self._sample_worst_case)
         if num_blocks * config.cache.block_size < self.max_model_len:
             raise ValueError(
                 f"the KV cache holds {num_blocks * config.cache.block_size} tokens, fewer than "
@@ -194,6 +194,25 @@ class LLMEngine:
             num_blocks * self.runner.bytes_per_block / (1 << 30),
             "async" if self.async_scheduling else "synchronous",
         )
+
+    def _sample_worst_case(self, logits: torch.Tensor) -> None:
+        """Sample a full batch's logits as the most memory-hungry requests would (temperature,
+        min_p, top_k, top_p, penalties, 20 logprobs each; the vocabulary sorted per row), so that
+        the KV cache is sized with the sampler's peak counted (``ModelRunner.plan_kv_memory``)."""
+        params = SamplingParams(
+            temperature=0.7,
+            top_p=0.9,
+            top_k=50,
+            min_p=0.01,
+            presence_penalty=0.5,
+            frequency_penalty=0.5,
+            repetition_penalty=1.1,
+            min_tokens=1,
+            logprobs=20,
+            logit_bias={0: 1.0},
+        )
+        rows = [SamplingRow(params, [1, 2], [3]) for _ in range(logits.shape[0])]
+        self.sampler(logits, rows)
 
     def _eos_token_ids(self) -> tuple[int, ...]:
         ids = list(self.arch.eos_token_ids)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,7 @@ from pdserve.config import EngineConfig
 from pdserve.engine.attention import AttentionMetadata, get_attention_backend
 from pdserve.engine.copies import to_device
 from pdserve.engine.cuda_graphs import DecodeGraphs
+from pdserve.engine.memory import GIB, KVMemoryPlan, check_free, gib, size_kv_cache
 from pdserve.engine.models.arch import ArchConfig
 from pdserve.engine.models.llama import CausalLM
 from pdserve.engine.piecewise_graphs import PiecewiseGraphs
@@ -60,71 +62,105 @@ class ModelRunner:
         self.kv_cache: torch.Tensor | None = None  # [L, NB, 2, BS, Hkv, D], block-major in memory
         self.graphs: DecodeGraphs | None = None  # captured by allocate_kv_cache on CUDA
         self.piecewise: PiecewiseGraphs | None = None  # likewise
+        self.memory_plan: KVMemoryPlan | None = None  # how the cache was sized (CUDA, by share)
+        self.graph_bytes = 0  # what the captured graphs hold (pools, static buffers)
 
     @property
     def bytes_per_block(self) -> int:
         return self.arch.kv_bytes_per_token(self.dtype) * self.block_size
 
-    def determine_num_blocks(self) -> int:
+    def determine_num_blocks(self, sample: Callable[[torch.Tensor], object] | None = None) -> int:
+        """The KV cache's size in blocks: ``num_kv_blocks``, else on CUDA this engine's share of the
+        GPU less what it needs besides (``plan_kv_memory``; ``sample`` runs the sampler's worst case
+        on a full batch's logits), else ``kv_cache_memory_gib``."""
         cache = self.config.cache
         if cache.num_kv_blocks is not None:
             return cache.num_kv_blocks
         if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            peak = self._profile_peak_memory()
-            budget = total * cache.gpu_memory_utilization - peak
-            num_blocks = int(budget // self.bytes_per_block)
-        else:
-            num_blocks = int(cache.kv_cache_memory_gib * (1 << 30) // self.bytes_per_block)
+            self.memory_plan = plan = self.plan_kv_memory(sample)
+            logger.info("%s", plan.describe())
+            return size_kv_cache(plan)
+        num_blocks = int(cache.kv_cache_memory_gib * GIB // self.bytes_per_block)
         if num_blocks < 1:
-            raise ValueError(
-                "no memory left for the KV cache; lower max_num_batched_tokens or use a smaller model"
-            )
+            raise ValueError(f"kv_cache_memory_gib {cache.kv_cache_memory_gib} holds no KV block")
         return num_blocks
 
-    def _profile_peak_memory(self) -> int:
-        """Peak CUDA memory of one full-budget step, run on a throwaway KV cache."""
+    def plan_kv_memory(self, sample: Callable[[torch.Tensor], object] | None = None) -> KVMemoryPlan:
+        """This device's share (``gpu_memory_utilization``, refused if it is not free) less the
+        model's weights, the peak of a full-budget step (the forward, then ``sample`` on the logits
+        of ``max_num_seqs`` rows) and the CUDA graphs, measured on a throwaway KV cache
+        (``pdserve.engine.memory``). Only what this engine allocates counts: memory that another
+        engine of this process holds is neither its weights nor free."""
+        dev, util = self.device, self.config.cache.gpu_memory_utilization
+        torch.cuda.synchronize(dev)
+        free, total = torch.cuda.mem_get_info(dev)
+        weights = sum(t.numel() * t.element_size() for t in (*self.model.parameters(), *self.model.buffers()))
+        cached = torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
+        check_free(str(dev), total, free, weights + cached, util)
         num_tokens = self.config.scheduler.max_num_batched_tokens
         num_blocks = cdiv(num_tokens, self.block_size)
+        base = torch.cuda.memory_allocated(dev)
         self._bind_kv_cache(num_blocks)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        meta = AttentionMetadata.build(
-            list(range(num_tokens)), [list(range(num_blocks))], [num_tokens], [num_tokens], self.device
-        )
-        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
-        hidden = self.model(ids, torch.arange(num_tokens, device=self.device), meta, self.backend)
-        self.model.compute_logits(hidden[-self.config.scheduler.max_num_seqs :])
-        torch.cuda.synchronize(self.device)
-        peak = (
-            torch.cuda.max_memory_allocated(self.device)
-            - self.kv_cache.numel() * self.kv_cache.element_size()
-        )
-        self.kv_cache = None
+        try:
+            kv_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
+            torch.cuda.reset_peak_memory_stats(dev)
+            meta = AttentionMetadata.build(
+                list(range(num_tokens)), [list(range(num_blocks))], [num_tokens], [num_tokens], dev
+            )
+            ids = torch.zeros(num_tokens, dtype=torch.long, device=dev)
+            hidden = self.model(ids, torch.arange(num_tokens, device=dev), meta, self.backend)
+            logits = self.model.compute_logits(hidden[-self.config.scheduler.max_num_seqs :])
+            del meta, ids, hidden
+            if sample is not None:
+                sample(logits)
+            del logits
+            torch.cuda.synchronize(dev)
+            activations = torch.cuda.max_memory_allocated(dev) - base - kv_bytes
+            graphs = self._graph_memory(largest_only=True)[0]
+        finally:
+            self.kv_cache = None
+            torch.cuda.empty_cache()
+        return KVMemoryPlan(str(dev), total, util, weights, activations, graphs, self.bytes_per_block)
+
+    def _graph_memory(self, largest_only: bool) -> tuple[int, DecodeGraphs | None, PiecewiseGraphs | None]:
+        """Capture the decode graphs and the piecewise ones on the bound cache (CUDA, not
+        ``enforce_eager``; ``largest_only``: each kind's largest bucket, what sizing needs) and
+        measure what they hold: their pools and static buffers, the allocator's cache emptied
+        before and after (it then holds nothing the graphs do not)."""
+        if self.device.type != "cuda" or self.config.model.enforce_eager:
+            return 0, None, None
+        dev = self.device
+        torch.cuda.synchronize(dev)
         torch.cuda.empty_cache()
-        return peak
+        base = torch.cuda.memory_reserved(dev)
+        decode = DecodeGraphs(
+            self.model,
+            self.backend,
+            max_num_seqs=self.config.scheduler.max_num_seqs,
+            max_model_len=self.config.model.max_model_len,
+            block_size=self.block_size,
+            device=dev,
+        )
+        decode.capture(largest_only)
+        piecewise = None
+        max_tokens = min(
+            self.config.model.piecewise_graph_max_tokens, self.config.scheduler.max_num_batched_tokens
+        )
+        if max_tokens > 0:
+            piecewise = PiecewiseGraphs(self.model, self.backend, max_tokens=max_tokens, device=dev)
+            piecewise.capture(largest_only=largest_only)
+        torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()
+        return torch.cuda.memory_reserved(dev) - base, decode, piecewise
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """Allocate and bind the KV cache, then capture the decode graphs and the piecewise ones
         (CUDA, not enforce_eager)."""
         self._bind_kv_cache(num_blocks)
-        if self.device.type == "cuda" and not self.config.model.enforce_eager:
-            self.graphs = DecodeGraphs(
-                self.model,
-                self.backend,
-                max_num_seqs=self.config.scheduler.max_num_seqs,
-                max_model_len=self.config.model.max_model_len,
-                block_size=self.block_size,
-                device=self.device,
-            )
-            self.graphs.capture()
-            max_tokens = min(
-                self.config.model.piecewise_graph_max_tokens, self.config.scheduler.max_num_batched_tokens
-            )
-            if max_tokens > 0:
-                self.piecewise = PiecewiseGraphs(
-                    self.model, self.backend, max_tokens=max_tokens, device=self.device
-                )
-                self.piecewise.capture()
+        self.graph_bytes, self.graphs, self.piecewise = self._graph_memory(largest_only=False)
+        if self.graphs is not None:
+            estimate = f" (estimated {gib(self.memory_plan.graphs)})" if self.memory_plan else ""
+            logger.info("CUDA graphs hold %s%s", gib(self.graph_bytes), estimate)
 
     @torch.inference_mode()
     def warm_up(self) -> None:
@@ -262,7 +298,12 @@ class ModelRunner:
         ):
             hidden = graphs.run(input_ids, positions, slots, seq_lens, table, fill)
         else:
-            meta = AttentionMetadata.build(slots, table, seq_lens, query_lens, dev)
+            piecewise = self.piecewise
+            if piecewise is not None and piecewise.bucket_for(len(input_ids)) is None:
+                piecewise = None
+            # A piecewise step's slots go up once, with its other static inputs.
+            slot_mapping = slots if piecewise is None else piecewise.load(input_ids, positions, slots, fill)
+            meta = AttentionMetadata.build(slot_mapping, table, seq_lens, query_lens, dev)
             after_layer = None
             if layer_events is not None and dev.type == "cuda":
 
@@ -271,8 +312,8 @@ class ModelRunner:
                     event.record()
                     layer_events.append(event)
 
-            if self.piecewise is not None and self.piecewise.bucket_for(len(input_ids)) is not None:
-                hidden = self.piecewise.run(input_ids, positions, slots, meta, fill, after_layer)
+            if piecewise is not None:
+                hidden = piecewise.run(meta, after_layer)
             else:
                 ids = to_device(input_ids, torch.long, dev)
                 if fill is not None:

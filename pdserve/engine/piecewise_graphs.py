@@ -116,15 +116,16 @@ class PiecewiseGraphs:
         self.q[:t].copy_(q)
 
     @torch.inference_mode()
-    def capture(self, eager: bool = False) -> None:
-        """Capture every bucket's pieces, largest first, into one pool (``eager``: record the pieces to
-        run eagerly instead, on any device). Needs the KV cache bound."""
+    def capture(self, eager: bool = False, largest_only: bool = False) -> None:
+        """Capture every bucket's pieces (``largest_only``: the largest bucket's, to measure the pool's
+        size), largest first, into one pool (``eager``: record the pieces to run eagerly instead, on
+        any device). Needs the KV cache bound."""
         start = time.monotonic()
         # Capture-time inputs are padding rows: no KV is written.
         self.tokens[:2].zero_()
         self.tokens[2].fill_(-1)
         pool = None if eager else torch.cuda.graph_pool_handle()
-        for t in reversed(self.buckets):
+        for t in reversed(self.buckets[-1:] if largest_only else self.buckets):
             pieces = range(len(self.model.model.layers) + 1)
             if eager:
                 self.graphs[t] = [Eager(lambda i=i, t=t: self._piece(i, t)) for i in pieces]
@@ -147,30 +148,37 @@ class PiecewiseGraphs:
         logger.info(
             "captured %d piecewise CUDA graphs for prefill and mixed steps of %s tokens in %.1f s",
             sum(len(g) for g in self.graphs.values()),
-            ",".join(map(str, self.buckets)),
+            ",".join(map(str, sorted(self.graphs))),
             time.monotonic() - start,
         )
 
-    def run(
+    def load(
         self,
         input_ids: list[int],
         positions: list[int],
         slots: list[int],
-        meta: AttentionMetadata,
         fill: tuple[torch.Tensor, torch.Tensor] | None = None,  # (rows [M], ids [M]) on the device
-        after_layer: Callable[[int], None] | None = None,
-    ) -> torch.Tensor:  # [n, hidden]: a view of the static output, valid until the next run
-        """The forward of a step of ``n = len(input_ids)`` tokens: the bucket's pieces replayed, the
-        attention of each layer launched between them from ``meta`` (the step's own). ``fill``
-        overwrites ``input_ids[rows]`` with ``ids`` on the device first; ``after_layer(i)`` runs
-        once layer i's KV writes are queued (right after its piece)."""
+    ) -> torch.Tensor:  # [n] the step's slot mapping on the device, for its ``AttentionMetadata``
+        """Put a step of ``n = len(input_ids)`` tokens into the static inputs (padded to its bucket),
+        ``fill`` overwriting ``input_ids[rows]`` with ``ids`` on the device."""
         n = len(input_ids)
         t = self.bucket_for(n)
-        assert t is not None and meta.num_tokens == n, (n, self.buckets)
+        assert t is not None, (n, self.buckets)
         pad = t - n
         copy_to_device(self.tokens[:, :t], [input_ids + [0] * pad, positions + [0] * pad, slots + [-1] * pad])
         if fill is not None:
             self.tokens[0].index_copy_(0, *fill)
+        return self.tokens[2, :n]
+
+    def run(
+        self, meta: AttentionMetadata, after_layer: Callable[[int], None] | None = None
+    ) -> torch.Tensor:  # [n, hidden]: a view of the static output, valid until the next run
+        """The forward of the step ``load`` put in (``meta``: its own): the bucket's pieces
+        replayed, the attention of each layer launched between them; ``after_layer(i)`` runs once
+        layer i's KV writes are queued (right after its piece)."""
+        n = meta.num_tokens
+        t = self.bucket_for(n)
+        assert t is not None, (n, self.buckets)
         pieces = self.graphs[t]
         for i, layer in enumerate(self.model.model.layers):
             pieces[i].replay()

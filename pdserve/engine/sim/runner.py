@@ -86,9 +86,10 @@ class SimModelRunner:
         """What a block of the simulated model's KV cache holds on the GPU."""
         return self.timing.kv_bytes_per_token * self.block_size
 
-    def determine_num_blocks(self) -> int:
+    def determine_num_blocks(self, sample=None) -> int:
         """As on the GPU: its memory x ``gpu_memory_utilization``, less weights, the activations of
-        a full-budget step and a runtime reserve, in blocks of the real size."""
+        a full-budget step and a runtime reserve, in blocks of the real size (``sample``, the
+        sampler's profile on the GPU, is not run: it has no device)."""
         cache = self.config.cache
         if cache.num_kv_blocks is not None:
             return cache.num_kv_blocks
