@@ -500,8 +500,13 @@ class _Awaited:
     a ``LandPrefill`` sent after it is taken after it (and its lease renewed from when it is read
     there, however long the engine loop's step: ``prefill_node.leases``); cancelled if the call
     ended before."""
+    arrived: asyncio.Future
+    """Done once its landing came and went to the engine core (or was refused here): the prefill
+    call's landing timeout waits for this, what the proxy owes, not for the engine loop, which
+    takes the landing between steps (the lease renewed from when the core read it), however long
+    those take; cancelled if the call ended before."""
     landed: asyncio.Future
-    """Done once its landing reached the engine core (``LandPrefill``); an exception if the core
+    """Done once the engine core took its landing (``LandPrefill``); an exception if the core
     refused it; cancelled if the call ended before."""
 
 
@@ -530,7 +535,8 @@ def add_prefill_calls(channel: ChannelServer, state: NodeState) -> None:
             # Registered before this handler first waits: its landing's call, right behind it on
             # the channel, finds it.
             loop = asyncio.get_running_loop()
-            awaited = awaiting[rid] = _Awaited(num_tokens, loop.create_future(), loop.create_future())
+            futures = (loop.create_future() for _ in range(3))
+            awaited = awaiting[rid] = _Awaited(num_tokens, *futures)
         try:
             async with state.admission(msg.deadline):  # raises NodeRefused: 429, 503 or 504
                 if rid in state.transfers:
@@ -564,6 +570,7 @@ def add_prefill_calls(channel: ChannelServer, state: NodeState) -> None:
                 if awaiting.get(rid) is awaited:
                     del awaiting[rid]
                 awaited.sent.cancel()  # no-ops once done
+                awaited.arrived.cancel()
                 awaited.landed.cancel()
 
     def _forget(rid: str, transfer: asyncio.Future) -> None:
@@ -589,10 +596,18 @@ def add_prefill_calls(channel: ChannelServer, state: NodeState) -> None:
                 limit = state.node.kv_transfer_timeout_s
                 if msg.deadline:
                     limit = min(limit, max(0.0, msg.deadline - time.time()))
-                if not await wait_at_most(awaited.landed, limit):
+                if not await wait_at_most(awaited.arrived, limit):
                     state.end_request(rid, "its landing descriptor never came")
                     why = f"no landing descriptor came within {limit:.3g} s of the first token"
                     raise fail(msg, 504, why) from None
+                # It came: the engine loop takes it between steps, its lease renewed meanwhile
+                # for as long as the lease keeper renews one it has not taken.
+                limit = PrefillService.UNCONFIRMED_LEASE_S
+                if msg.deadline:
+                    limit = min(limit, max(0.0, msg.deadline - time.time()))
+                if not await wait_at_most(awaited.landed, limit):
+                    state.end_request(rid, "the engine core did not take its landing")
+                    raise fail(msg, 504, f"the engine core did not take the landing within {limit:.3g} s")
             if awaited is not None and awaited.landed.exception() is not None:
                 state.end_request(rid, "its landing was refused")
                 raise fail(msg, 502, str(awaited.landed.exception()))
@@ -615,7 +630,7 @@ def add_prefill_calls(channel: ChannelServer, state: NodeState) -> None:
         landing = msg.landing
         rid = landing.request_id
         awaited = awaiting.get(rid)
-        if awaited is None or awaited.landed.done():
+        if awaited is None or awaited.arrived.done():
             raise NodeRefused(404, f"no prefill of {rid!r} awaits a landing here", "not_found")
         error = _validate(landing, rid, awaited.num_prompt_tokens, state.info.block_size)
         if error:
@@ -627,7 +642,10 @@ def add_prefill_calls(channel: ChannelServer, state: NodeState) -> None:
             if awaited.sent.cancelled():  # the prefill ended before its AddPrefill went out
                 raise NodeRefused(404, f"the prefill of {rid!r} ended before its landing came", "not_found")
         try:
-            await state.core.call(LandPrefill(landing))
+            taken = state.core.submit(LandPrefill(landing))
+            if not awaited.arrived.done():  # cancelled if the prefill call ended meanwhile
+                awaited.arrived.set_result(None)
+            await taken
         except CoreRefused as exc:
             refuse(awaited, exc.message)
             raise
@@ -635,6 +653,8 @@ def add_prefill_calls(channel: ChannelServer, state: NodeState) -> None:
             awaited.landed.set_result(None)
 
     def refuse(awaited: _Awaited, why: str) -> None:
+        if not awaited.arrived.done():
+            awaited.arrived.set_result(None)
         if not awaited.landed.done():
             awaited.landed.set_exception(RuntimeError(why))
             awaited.landed.exception()  # retrieved here too: the prefill call may be gone

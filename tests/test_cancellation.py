@@ -24,8 +24,11 @@ from pdserve.messages import (
     LandPrefill,
     PrefillLanding,
     PrefillRequest,
+    PrefillResult,
+    TransferDone,
     decode,
 )
+from pdserve.node.service import NodeRefused
 from pdserve.prefill_node.server import add_prefill_calls
 from pdserve.proxy.channel import NodeChannel
 from pdserve.sampling_params import SamplingParams
@@ -171,3 +174,77 @@ def test_a_landing_goes_to_the_core_right_behind_its_prompt_and_a_cancelled_one_
         assert core.calls == [AddPrefill.__name__, LandPrefill.__name__] and outcome == "waiting"
     else:
         assert outcome == "cancelled" and core.calls == [], (outcome, core.calls)
+
+
+class _SlowCore(_Core):
+    """An engine core that answers a prompt at once and takes its landing only after ``delay_s``
+    (a long step: the engine loop takes commands between steps)."""
+
+    def __init__(self, delay_s: float) -> None:
+        super().__init__()
+        self.delay_s = delay_s
+
+    def submit(self, msg):
+        fut = super().submit(msg)
+        loop = asyncio.get_running_loop()
+        loop.call_later(0 if isinstance(msg, AddPrefill) else self.delay_s, fut.set_result, None)
+        return fut
+
+
+@pytest.mark.parametrize("landing_comes", [True, False])
+def test_the_landing_timeout_waits_for_the_landing_not_for_the_engine_loop_to_take_it(landing_comes):
+    """A prefill's landing timeout (the node's ``kv_transfer_timeout_s`` from its first token) bounds
+    what the proxy owes, the landing: one that came is not failed because the engine loop, busy
+    with a step 3x that long, took it later (a prefill node stopped 0.6 s in every 0.8 s failed
+    such requests: "no landing descriptor came within 10 s"). One that never comes still fails
+    then."""
+    core = _SlowCore(delay_s=0.6)
+    finished = types.SimpleNamespace(
+        finish_reason="length", error="", num_cached_tokens=0, prompt_logprobs=None
+    )
+
+    class _Sub:
+        async def wait_finished(self):
+            return [finished]
+
+    state = types.SimpleNamespace(
+        info=types.SimpleNamespace(block_size=16),
+        node=types.SimpleNamespace(kv_transfer_timeout_s=0.2),
+        metrics=types.SimpleNamespace(prefill_seconds=types.SimpleNamespace(observe=lambda s: None)),
+        core=core,
+        admission=None,  # below
+        transfers={},
+        subs=types.SimpleNamespace(subscribe=lambda rid: _Sub(), unsubscribe=lambda rid: None),
+        end_request=lambda rid, why: None,
+    )
+    handlers: dict = {}
+    add_prefill_calls(types.SimpleNamespace(handle=lambda kind, fn: handlers.__setitem__(kind, fn)), state)
+
+    @contextlib.asynccontextmanager
+    async def admission(deadline):
+        yield
+
+    state.admission = admission
+
+    async def run():
+        prompt = list(range(40))
+        prefill = asyncio.ensure_future(
+            handlers[PrefillRequest](None, PrefillRequest("r1", prompt, SamplingParams(max_tokens=1)))
+        )
+        await asyncio.sleep(0.05)  # the first token is out: the landing timeout runs
+        if landing_comes:
+            landing = LandingDescriptor("r1", "d0", "tcp://127.0.0.1:1", [4, 5, 6], len(prompt), 1e12)
+            land = asyncio.ensure_future(handlers[PrefillLanding](None, PrefillLanding(landing)))
+            await land  # answered once the core took it, 0.6 s later
+            state.transfers["r1"].set_result(TransferDone("r1"))
+        try:
+            return await asyncio.wait_for(prefill, 2.0)
+        except NodeRefused as e:
+            return e
+
+    outcome = asyncio.run(run())
+    if landing_comes:
+        assert isinstance(outcome, PrefillResult) and outcome.ok, outcome
+        assert core.calls == [AddPrefill.__name__, LandPrefill.__name__]
+    else:
+        assert isinstance(outcome, NodeRefused) and "no landing descriptor came within 0.2 s" in str(outcome)
