@@ -66,6 +66,11 @@ class LaneClosed(KVTransferError):
     """The lane's other end closed it, broke it, or sent what no lane carries."""
 
 
+def as_bytes(view: memoryview) -> memoryview:
+    """``view`` as one flat run of bytes (a cast only where it is not one already)."""
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
 def frame(body: bytes | memoryview) -> bytes:
     return LENGTH.pack(len(body)) + bytes(body)
 
@@ -115,7 +120,7 @@ class Sink:
 
     def __init__(self, nbytes: int, views: Sequence[memoryview], done: Callable[[str], None]) -> None:
         self.left = nbytes
-        self._views = [v.cast("B") if v.format != "B" or v.ndim != 1 else v for v in views]
+        self._views = [as_bytes(v) for v in views]
         self._index = 0
         self._offset = 0
         self._done: Callable[[str], None] | None = done
@@ -358,7 +363,7 @@ class SenderLane:
         if not self.flush(deadline):
             raise KVTransferError("the KV peer did not take a lane message in time")
         for view in payload:
-            view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+            view = as_bytes(view)
             sent = 0
             while sent < len(view):
                 try:

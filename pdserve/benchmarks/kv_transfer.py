@@ -490,8 +490,22 @@ class _Probe:
             # A send the engine's thread puts on the lane itself (``_Peer.submit``) goes out there.
             self._wrap(control_sender._Peer, "_send_now", "direct", self._job)
             # The first message a job puts on the connection, as it starts (the thread may well be
-            # preempted by the process it wakes before the call returns).
-            self._wrap(control_sender._Peer, "send", "data_out", lambda a, r: self.current, first=True)
+            # preempted by the process it wakes before the call returns); not a lease renewal that
+            # goes out ahead of it (``_Peer._renew_now``).
+            self.renewing = False
+            renew_now = control_sender._Peer.__dict__["_renew_now"]
+
+            def renewing(peer) -> None:
+                self.renewing = True
+                try:
+                    renew_now(peer)
+                finally:
+                    self.renewing = False
+
+            control_sender._Peer._renew_now = renewing
+            self._undo.append((control_sender._Peer, "_renew_now", renew_now))
+            data_out = lambda a, r: None if self.renewing else self.current  # noqa: E731
+            self._wrap(control_sender._Peer, "send", "data_out", data_out, first=True)
             ack = lambda a, r: r.request_id if isinstance(r, KVAck) else None  # noqa: E731
             self._wrap(control_sender._Peer, "recv", "ack_in", ack, at_exit=True)
 
