@@ -4,6 +4,7 @@ figures; the GPU test checks what an engine really holds against its share."""
 from __future__ import annotations
 
 import gc
+import types
 
 import pytest
 import torch
@@ -64,6 +65,36 @@ def test_the_samplers_worst_case_runs_on_a_full_batch(tiny_models):
     engine.sampler.sample = lambda logits, rows: seen.append(len(rows)) or sample(logits, rows)
     engine._sample_worst_case(torch.randn(8, engine.arch.vocab_size))
     assert seen == [8]
+
+
+def test_prompt_logprobs_go_in_slices_of_max_num_seqs_rows():
+    """A chunk's prompt logprobs ([rows, vocab] float tensors) are computed max_num_seqs rows at a
+    time, which the sizing's worst-case sampler run outweighs, with the same figures as at once."""
+    from pdserve.engine.model_runner import ModelRunner
+    from pdserve.engine.prompt_logprobs import prompt_logprobs
+
+    runner = object.__new__(ModelRunner)  # only the config and the model's lm head are used
+    runner.config = types.SimpleNamespace(scheduler=types.SimpleNamespace(max_num_seqs=4))
+    head = torch.randn(8, 50)
+    seen = []
+    runner.model = types.SimpleNamespace(compute_logits=lambda h: seen.append(len(h)) or h @ head)
+    hidden = torch.randn(14, 8)
+    request = types.SimpleNamespace(
+        request_id="r",
+        num_prompt_tokens=14,
+        prompt_token_ids=list(range(14)),
+        sampling_params=types.SimpleNamespace(prompt_logprobs=3),
+    )
+    step = types.SimpleNamespace(scheduled=[types.SimpleNamespace(request=request, start=2, num_tokens=12)])
+    into: list = []
+    runner._prompt_logprobs(step, hidden, [2], into)
+    assert seen == [4, 4, 3]  # positions 2..12 predict tokens 3..13
+    ((rid, first, got),) = into
+    expect = prompt_logprobs(hidden[2:13] @ head, list(range(3, 14)), 3)
+    assert (rid, first, len(got)) == ("r", 3, 11)
+    for g, e in zip(got, expect):
+        assert (g.token_id, g.rank, [t for t, _ in g.top]) == (e.token_id, e.rank, [t for t, _ in e.top])
+        assert g.logprob == pytest.approx(e.logprob, abs=1e-5)
 
 
 @pytest.mark.gpu

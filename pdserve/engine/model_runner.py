@@ -345,5 +345,12 @@ class ModelRunner:
             if num_top is None or k <= 0:
                 continue
             targets = r.prompt_token_ids[s.start + 1 : s.start + 1 + k]
-            logits = self.model.compute_logits(hidden[row : row + k])  # [k, V]
-            into.append((r.request_id, s.start + 1, compute_prompt_logprobs(logits, targets, num_top)))
+            # In slices of max_num_seqs rows: the [rows, V] float tensors of one slice weigh less
+            # than the sampler's worst case on a full batch, which the KV cache was sized with
+            # (a 2,048-token chunk at once took ~2 GiB at a 128k vocabulary).
+            step = self.config.scheduler.max_num_seqs
+            logprobs = []
+            for a in range(0, k, step):
+                logits = self.model.compute_logits(hidden[row + a : row + min(k, a + step)])  # [<=step, V]
+                logprobs += compute_prompt_logprobs(logits, targets[a : a + step], num_top)
+            into.append((r.request_id, s.start + 1, logprobs))
