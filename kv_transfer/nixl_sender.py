@@ -190,7 +190,11 @@ class NixlSession(SenderSession):
         plane, kv = self.plane, self.plane.kv
         num_layers, slab = kv.shape[0], plane.slab_bytes
         layer_wise = len(staged.ready) > 1 and not self.same_gpu and not plane.layout.block_major
-        if kv.is_cuda or plane.options.pack_on_cpu:  # packing is considered (``packs``)
+        # Packing is considered (``packs``) where it would pack as one piece: more pieces only
+        # allow more descriptors, so a send of few runs (the usual one) skips cutting its pieces.
+        if (kv.is_cuda or plane.options.pack_on_cpu) and packs(
+            kv, staged.block_ids, dst, 1, plane.options, plane.layout
+        ):
             chunk_bytes = plane.options.layer_chunk_bytes if layer_wise else 0
             pieces = stage_pieces(num_layers, len(dst), slab, plane.pool.slot_bytes, chunk_bytes)
             if packs(kv, staged.block_ids, dst, len(pieces), plane.options, plane.layout):
