@@ -59,6 +59,12 @@ class NixlOptions:
     """UCX's network devices (NIXL's ``ucx_devices``; e.g. ``mlx5_0:1``); "" lets UCX choose."""
     ucx_tls: str = ""
     """UCX_TLS for the process's agents ("" leaves the operator's or UCX's choice)."""
+    progress_thread: bool = False
+    """Run NIXL's progress thread in each agent (NIXL's own default). Off: the decode node's control
+    loop progresses UCX while its READs run, the prefill node's peer thread every millisecond while
+    it waits (``kv_transfer.nixl_backend``); idle, the thread costs ~40% of a core, and on one H100
+    (P and D processes on it) it made no send faster: nixl at 16 / 64 / 256 MiB 58-74 / 206-307 /
+    453-593 GB/s with it, 65-92 / 224-297 / 522-673 without (``kv_s17_prog_*``)."""
 
 
 NIXL_BUILDS = ("nixl_cu13", "nixl_cu12")
@@ -99,7 +105,9 @@ def make_agent(role: str, options: NixlOptions):
     # operator chose otherwise (``envs.UCX_CUDA_IPC_GET_ZCOPY_DEFAULT`` says why), ``ucx_tls``.
     envs.set_up_ucx(options.ucx_tls)
     config = api.nixl_agent_config(
-        enable_prog_thread=False, backends=[], sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
+        enable_prog_thread=options.progress_thread,
+        backends=[],
+        sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
     )
     agent = api.nixl_agent(f"pdserve-{role}-{uuid.uuid4().hex[:12]}", config)
     devices = options.ucx_net_devices

@@ -132,6 +132,23 @@ def test_cuda_ipc_reads_are_turned_on_unless_the_operator_chose():
 
 
 @nixl_only
+def test_agents_with_nixls_progress_thread_move_the_blocks():
+    """``NixlOptions.progress_thread`` (off by default) runs NIXL's own progress thread in both
+    agents: the blocks land as without it, the ack follows."""
+    pair = Pair(SMALL, src_blocks=8, dst_blocks=8, options=(kv_transfer.NixlOptions(progress_thread=True),))
+    try:
+        assert pair.sender.planes["nixl"].options.progress_thread
+        sends = (("runs", [0, 1, 2, 3], [4, 5, 6, 7]), ("scattered", [7, 2, 5], [0, 3, 1]))
+        for rid, src_ids, dst_ids in sends:
+            pair.table.add(rid, dst_ids, time.time() + 30)
+            assert pair.send(rid, src_ids, dst_ids).result().ok
+            assert torch.equal(pair.dst[:, dst_ids], pair.src[:, src_ids])
+        assert pair.commits == ["runs", "scattered"]
+    finally:
+        pair.close()
+
+
+@nixl_only
 def test_many_blocks_in_one_read():
     pair = Pair(SMALL, src_blocks=4096, dst_blocks=4096)
     try:

@@ -84,11 +84,12 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize(device)
 
 
-def _nixl_agent(name: str):
+def _nixl_agent(name: str, progress_thread: bool = True):
+    """A raw anchor's agent: NIXL's default configuration, its progress thread on or off."""
     from pdserve.kv_transfer.nixl_common import nixl_api
 
     api = nixl_api()
-    return api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
+    return api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"]))
 
 
 def _pieces(address: int, nbytes: int, piece: int, device: int) -> list[tuple[int, int, int]]:
@@ -110,15 +111,20 @@ def _nixl_run(agent, op: str, local, remote, remote_name: str) -> str:
 # -- receiver process ------------------------------------------------------------------------------
 
 
-def _nixl_options(slots: tuple[int, int], max_desc_bytes: int = 0, prepared_max_blocks: int = -1):
+def _nixl_options(
+    slots: tuple[int, int],
+    max_desc_bytes: int = 0,
+    prepared_max_blocks: int = -1,
+    progress_thread: bool = False,
+):
     """nixl's options with staging slots (number, bytes; 0: the default), READ descriptors of at
-    most ``max_desc_bytes`` (0: one per contiguous run) and ``prepared_max_blocks`` (-1: the
-    default)."""
+    most ``max_desc_bytes`` (0: one per contiguous run), ``prepared_max_blocks`` (-1: the
+    default) and NIXL's progress thread on or off."""
     from pdserve.kv_transfer import NixlOptions, StagingOptions
 
     default = StagingOptions()
     staging = StagingOptions(slots[0] or default.num_slots, slots[1] or default.slot_bytes)
-    options = NixlOptions(max_desc_bytes=max_desc_bytes, staging=staging)
+    options = NixlOptions(max_desc_bytes=max_desc_bytes, staging=staging, progress_thread=progress_thread)
     if prepared_max_blocks >= 0:
         options = dataclasses.replace(options, prepared_max_blocks=prepared_max_blocks)
     return options
@@ -134,6 +140,8 @@ def _receiver(
     max_desc_bytes: int,
     slots: tuple[int, int],
     prepared_max_blocks: int,
+    progress_thread: bool,
+    raw_progress_thread: bool,
 ) -> None:
     from pdserve import kv_transfer
     from pdserve.kv_transfer import ReservationTable
@@ -145,7 +153,7 @@ def _receiver(
     table = ReservationTable(shape[0])
     # The decode side builds the READs: it takes the descriptor limit.
     receiver = kv_transfer.create_receiver(
-        transports, options=[_nixl_options(slots, max_desc_bytes, prepared_max_blocks)]
+        transports, options=[_nixl_options(slots, max_desc_bytes, prepared_max_blocks, progress_thread)]
     )
     receiver.register_kv_cache(kv)
     address = receiver.start(_info("bench-decode", shape), table, lambda commit: None)
@@ -157,6 +165,9 @@ def _receiver(
     nixl = None
     tcp = None
     while True:
+        # An anchor agent without its progress thread is progressed while waiting (as pdserve's are).
+        while nixl is not None and not raw_progress_thread and not conn.poll(0.001):
+            nixl.get_new_notifs()
         cmd = conn.recv()
         if cmd is None:
             break
@@ -205,7 +216,7 @@ def _receiver(
             conn.send("done")
         elif kind == "nixl_init":
             metadata, address_remote, dev = arg
-            nixl = _nixl_agent("bench-raw-decode")
+            nixl = _nixl_agent("bench-raw-decode", raw_progress_thread)
             nixl.register_memory(buf)
             remote_name = nixl.add_remote_agent(metadata)
             mem = "VRAM" if device.startswith("cuda") else "DRAM"
@@ -317,9 +328,18 @@ def _raw_nccl(remote, flat: torch.Tensor, nbytes: int, device: str) -> float:
     return time.perf_counter() - start
 
 
-def _raw_nixl_read(remote, nbytes: int, piece: int, op_times: list[float]) -> float:
+def _raw_nixl_read(remote, nbytes: int, piece: int, op_times: list[float], progress=None) -> float:
+    """One raw READ by the receiver, timed here to its answer; ``progress`` (an agent without its
+    progress thread: its ``get_new_notifs``) runs every millisecond meanwhile, as pdserve's sender
+    does, for transports whose READs need the target's help."""
     start = time.perf_counter()
-    state, op_seconds = remote.call("raw_nixl", (nbytes, piece))
+    if progress is None:
+        state, op_seconds = remote.call("raw_nixl", (nbytes, piece))
+    else:
+        remote.conn.send(("raw_nixl", (nbytes, piece)))
+        while not remote.conn.poll(0.001):
+            progress()
+        state, op_seconds = remote.conn.recv()
     seconds = time.perf_counter() - start
     assert state == "DONE", state
     op_times.append(op_seconds)
@@ -612,9 +632,11 @@ def run(args: argparse.Namespace) -> dict:
     accepted = ",".join(dict.fromkeys([*transports, "zmq"]))
     max_desc_bytes = int(args.nixl_max_desc_mib * (1 << 20))
     slots = (args.stage_slots, args.stage_slot_mib << 20)
-    nixl_options = _nixl_options(slots)
+    progress, raw_progress = args.nixl_progress_thread, args.raw_nixl_progress_thread == "on"
+    nixl_options = _nixl_options(slots, progress_thread=progress)
     prepared = args.nixl_prepared_max_blocks
-    remote = _Remote(ctx, (shape, max_blocks, recv_dev, accepted, max_bytes, max_desc_bytes, slots, prepared))
+    receiver_args = (shape, max_blocks, recv_dev, accepted, max_bytes, max_desc_bytes, slots, prepared)
+    remote = _Remote(ctx, (*receiver_args, progress, raw_progress))
     if not remote.conn.poll(300):
         raise RuntimeError("the receiver did not start")
     address, raw_port = remote.conn.recv()
@@ -656,7 +678,7 @@ def run(args: argparse.Namespace) -> dict:
         dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=0, world_size=2)
         assert remote.conn.recv() == "ok"
     if nixl_anchor:
-        agent = _nixl_agent("bench-raw-prefill")
+        agent = _nixl_agent("bench-raw-prefill", raw_progress)
         agent.register_memory(flat)
         reply = remote.call(
             "nixl_init", (agent.get_agent_metadata(), flat.data_ptr(), max(flat.get_device(), 0))
@@ -751,7 +773,12 @@ def run(args: argparse.Namespace) -> dict:
                 pieces.append(("raw_nixl_read_layers", (shape[0], max_blocks, n, block_bytes // shape[0])))
             for label, piece in pieces:
                 runs[label] = functools.partial(
-                    _raw_nixl_read, remote, nbytes, piece, op_times.setdefault(label, [])
+                    _raw_nixl_read,
+                    remote,
+                    nbytes,
+                    piece,
+                    op_times.setdefault(label, []),
+                    None if raw_progress else agent.get_new_notifs,
                 )
             local = agent.get_xfer_descs(_pieces(flat.data_ptr(), nbytes, 0, max(flat.get_device(), 0)), mem)
             target = agent.get_xfer_descs(_pieces(receiver_address, nbytes, 0, receiver_device), mem)
@@ -942,6 +969,8 @@ def run(args: argparse.Namespace) -> dict:
         "size_breakdown_count": args.size_breakdown_count,
         "nixl_max_desc_bytes": max_desc_bytes,
         "nixl_prepared_max_blocks": prepared if prepared >= 0 else NixlOptions().prepared_max_blocks,
+        "nixl_progress_thread": progress,
+        "raw_nixl_progress_thread": raw_progress,
         "nccl_direct_min_run_bytes": NcclOptions().direct_min_run_bytes,
         "nixl_descriptors_per_piece": NixlOptions().descriptors_per_piece,
         "staging_slots": [nixl_options.staging.num_slots, nixl_options.staging.slot_bytes],
@@ -996,6 +1025,17 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=-1,
         help="the decode side's NixlOptions.prepared_max_blocks (default -1: its default)",
+    )
+    p.add_argument(
+        "--nixl-progress-thread",
+        action="store_true",
+        help="pdserve's nixl agents run NIXL's progress thread (NixlOptions.progress_thread; default off)",
+    )
+    p.add_argument(
+        "--raw-nixl-progress-thread",
+        choices=("on", "off"),
+        default="on",
+        help="the raw NIXL anchors' agents run NIXL's progress thread (on: NIXL's default config)",
     )
     p.add_argument(
         "--stage-slots", type=int, default=0, help="staging slots a node (default: StagingOptions)"
