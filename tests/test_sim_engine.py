@@ -214,7 +214,7 @@ def test_the_simulated_kv_cache_is_sized_as_the_real_engine_sizes_it():
     """The real engine's KV memory plans on one H100 at gpu_memory_utilization 0.9
     (``docs/benchmarks/kv_memory_plan_h100.json``: two shapes, 64-256 rows, 2,048-8,192 tokens, CUDA
     graphs or eager): the simulated cache is within 1.5 % of each real one (measured: -1.0 to
-    +0.8 %), so a simulated cluster holds as many tokens as the real one would."""
+    +0.9 %), so a simulated cluster holds as many tokens as the real one would."""
     from pdserve.config import EngineConfig
     from pdserve.engine.sim.runner import SimModelRunner
 

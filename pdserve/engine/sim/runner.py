@@ -91,7 +91,7 @@ class SimModelRunner:
         a full-budget step and a runtime reserve, in blocks of the real size (``sample``, the
         sampler's profile on the GPU, is not run: it has no device). Against the real engine's
         plans on one H100 (``docs/benchmarks/kv_memory_plan_h100.json``, which measure the sampler's
-        worst case and the CUDA graphs instead): -1.0 to +0.8 % of its blocks."""
+        worst case and the CUDA graphs instead): -1.0 to +0.9 % of its blocks."""
         cache = self.config.cache
         if cache.num_kv_blocks is not None:
             return cache.num_kv_blocks
