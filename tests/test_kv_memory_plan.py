@@ -108,10 +108,9 @@ def test_an_engine_needs_no_more_than_its_share_of_the_gpu():
     sampled requests (weights, the KV cache, activations, the sampler's rows), with the CUDA graphs'
     pools, fits ``gpu_memory_utilization`` (Llama-3-8B's shape, random weights) within 64 MiB; the
     graphs hold about what the cache was sized with. (What the allocator caches beyond that, it
-    gives back when an allocation needs it.) The same load in a plain process on one H100 at 0.35
-    and 0.9: 19 and 17 MiB over; 233 with the sampler's worst case a batch of rows all alike (a
-    mixed batch copies rows out); 800 with the sizing before, which counted neither the graphs nor
-    the sampler."""
+    gives back when an allocation needs it.) On one H100: 9 MiB over; 223 with the sampler's worst
+    case a batch of rows all alike (a mixed batch copies rows out), which fails here; 800 with the
+    sizing before, which counted neither the graphs nor the sampler."""
     from pdserve import LLM, SamplingParams
 
     util, seqs = 0.35, 128
