@@ -79,7 +79,8 @@ resent until the listener answers, rather than through NIXL's own listener (``Ni
 (``NixlOptions``): ``ucx_net_devices`` travels as NIXL's ``ucx_devices`` parameter; ``ucx_tls``
 and the CUDA IPC READ switch reach UCX only through the environment (NIXL's UCX backend passes no
 UCX variables on), which ``pdserve.envs.set_up_ucx`` writes once per process, before its first
-agent. Agents run without NIXL's progress thread (idle, it costs ~40% of a core here): the
+agent. Agents run without NIXL's progress thread unless ``NixlOptions.progress_thread`` (idle, it
+costs ~40% of a core here, and it made no send faster on one H100): the
 decode node progresses UCX while its READs run (the control loop polls them), the prefill node
 every millisecond while it waits for a READ's end or an ack (transports that need the target's
 help, such as TCP, and a first connection's wire-up).
