@@ -91,6 +91,20 @@ def nixl_api() -> ModuleType:
     return api
 
 
+def nixl_version() -> str:
+    """The installed nixl's version: the meta package's, else that of the build that is installed
+    (``NIXL_BUILDS``; a machine may have a build without the meta package, as the tests install
+    it); "" when none says."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("nixl", *(build.replace("_", "-") for build in NIXL_BUILDS)):
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            continue
+    return ""
+
+
 def nixl_available() -> bool:
     try:
         nixl_api()

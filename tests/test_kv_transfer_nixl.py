@@ -132,6 +132,21 @@ def test_cuda_ipc_reads_are_turned_on_unless_the_operator_chose():
 
 
 @nixl_only
+def test_the_nixl_version_is_read_from_the_build_installed():
+    """Where a per-CUDA build is installed without the meta package ``nixl`` (as the tests install
+    it), its version is still read (the kv_transfer benchmark wrote it and failed on
+    ``importlib.metadata.version("nixl")`` after its runs): that of the distribution whose module
+    the transport imports."""
+    from importlib.metadata import packages_distributions, version
+
+    from pdserve.kv_transfer.nixl_common import nixl_api, nixl_version
+
+    module = nixl_api().__name__.split(".")[0]
+    (dist,) = packages_distributions()[module][:1]
+    assert nixl_version() == version(dist)
+
+
+@nixl_only
 def test_agents_with_nixls_progress_thread_move_the_blocks():
     """``NixlOptions.progress_thread`` (off by default) runs NIXL's own progress thread in both
     agents: the blocks land as without it, the ack follows."""

@@ -116,10 +116,11 @@ def _nixl_options(
     max_desc_bytes: int = 0,
     prepared_max_blocks: int = -1,
     progress_thread: bool = False,
+    settle_spin_s: float = -1.0,
 ):
     """nixl's options with staging slots (number, bytes; 0: the default), READ descriptors of at
-    most ``max_desc_bytes`` (0: one per contiguous run), ``prepared_max_blocks`` (-1: the
-    default) and NIXL's progress thread on or off."""
+    most ``max_desc_bytes`` (0: one per contiguous run), ``prepared_max_blocks`` and
+    ``settle_spin_s`` (-1: the defaults) and NIXL's progress thread on or off."""
     from pdserve.kv_transfer import NixlOptions, StagingOptions
 
     default = StagingOptions()
@@ -127,6 +128,8 @@ def _nixl_options(
     options = NixlOptions(max_desc_bytes=max_desc_bytes, staging=staging, progress_thread=progress_thread)
     if prepared_max_blocks >= 0:
         options = dataclasses.replace(options, prepared_max_blocks=prepared_max_blocks)
+    if settle_spin_s >= 0:
+        options = dataclasses.replace(options, settle_spin_s=settle_spin_s)
     return options
 
 
@@ -140,6 +143,7 @@ def _receiver(
     max_desc_bytes: int,
     slots: tuple[int, int],
     prepared_max_blocks: int,
+    settle_spin_s: float,
     progress_thread: bool,
     raw_progress_thread: bool,
 ) -> None:
@@ -153,7 +157,8 @@ def _receiver(
     table = ReservationTable(shape[0])
     # The decode side builds the READs: it takes the descriptor limit.
     receiver = kv_transfer.create_receiver(
-        transports, options=[_nixl_options(slots, max_desc_bytes, prepared_max_blocks, progress_thread)]
+        transports,
+        options=[_nixl_options(slots, max_desc_bytes, prepared_max_blocks, progress_thread, settle_spin_s)],
     )
     receiver.register_kv_cache(kv)
     address = receiver.start(_info("bench-decode", shape), table, lambda commit: None)
@@ -635,7 +640,18 @@ def run(args: argparse.Namespace) -> dict:
     progress, raw_progress = args.nixl_progress_thread, args.raw_nixl_progress_thread == "on"
     nixl_options = _nixl_options(slots, progress_thread=progress)
     prepared = args.nixl_prepared_max_blocks
-    receiver_args = (shape, max_blocks, recv_dev, accepted, max_bytes, max_desc_bytes, slots, prepared)
+    settle_spin_s = args.nixl_settle_spin_us * 1e-6 if args.nixl_settle_spin_us >= 0 else -1.0
+    receiver_args = (
+        shape,
+        max_blocks,
+        recv_dev,
+        accepted,
+        max_bytes,
+        max_desc_bytes,
+        slots,
+        prepared,
+        settle_spin_s,
+    )
     remote = _Remote(ctx, (*receiver_args, progress, raw_progress))
     if not remote.conn.poll(300):
         raise RuntimeError("the receiver did not start")
@@ -885,9 +901,9 @@ def run(args: argparse.Namespace) -> dict:
         "pyzmq": __import__("zmq").__version__,
     }
     if "nixl" in kv_transfer.available_transports():
-        from importlib.metadata import version
+        from pdserve.kv_transfer.nixl_common import nixl_version
 
-        versions["nixl"] = version("nixl")
+        versions["nixl"] = nixl_version()
     if cuda:
         versions["cuda"] = torch.version.cuda
         versions["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
@@ -970,6 +986,7 @@ def run(args: argparse.Namespace) -> dict:
         "size_breakdown_count": args.size_breakdown_count,
         "nixl_max_desc_bytes": max_desc_bytes,
         "nixl_prepared_max_blocks": prepared if prepared >= 0 else NixlOptions().prepared_max_blocks,
+        "nixl_settle_spin_s": settle_spin_s if settle_spin_s >= 0 else NixlOptions().settle_spin_s,
         "nixl_progress_thread": progress,
         "raw_nixl_progress_thread": raw_progress,
         "nccl_direct_min_run_bytes": NcclOptions().direct_min_run_bytes,
@@ -1026,6 +1043,12 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=-1,
         help="the decode side's NixlOptions.prepared_max_blocks (default -1: its default)",
+    )
+    p.add_argument(
+        "--nixl-settle-spin-us",
+        type=float,
+        default=-1,
+        help="the decode side's NixlOptions.settle_spin_s, in us (default -1: its default)",
     )
     p.add_argument(
         "--nixl-progress-thread",
