@@ -189,6 +189,25 @@ class Sink:
             done(error)
 
 
+def _write_frame(sock: socket.socket, out: bytearray, body: bytes | memoryview) -> None:
+    """Write one frame of ``body`` behind what waits in ``out``; what the non-blocking ``sock`` does
+    not take now is left in ``out``. With nothing waiting, the length and the body go out in one
+    ``sendmsg``, not copied into ``out`` first (each message of a send, both ways)."""
+    if out:
+        out += frame(body)
+        _write_some(sock, out)
+        return
+    header = LENGTH.pack(len(body))
+    try:
+        sent = sock.sendmsg([header, body])
+    except (BlockingIOError, InterruptedError):
+        sent = 0
+    except OSError as e:
+        raise LaneClosed(f"lane broken: {e}") from None
+    if sent < len(header) + len(body):
+        out += (header + bytes(body))[sent:]
+
+
 def _write_some(sock: socket.socket, out: bytearray) -> None:
     """Write what the non-blocking ``sock`` takes of ``out`` now, and drop that from ``out``."""
     try:
@@ -299,8 +318,9 @@ class ReceiverLane:
                 return True
 
     def write(self, body: bytes) -> None:
-        self.out += frame(body)
-        self.flush()
+        _write_frame(self.sock, self.out, body)
+        if len(self.out) > self.max_out:
+            raise LaneClosed(f"the sender left {len(self.out)} bytes of replies unread")
 
     def flush(self) -> None:
         """Write what the socket takes now; raises LaneClosed if it broke or ``out`` grew too long."""
@@ -364,7 +384,7 @@ class SenderLane:
         """Write one message, then its ``payload``'s bytes as they lie (unframed: the message says
         how many); raises KVTransferError if the peer does not take them by ``deadline`` (part of
         them may have gone: the lane is done for then)."""
-        self._out += frame(body)
+        _write_frame(self.sock, self._out, body)
         if not self.flush(deadline):
             raise KVTransferError("the KV peer did not take a lane message in time")
         for view in payload:
@@ -385,8 +405,7 @@ class SenderLane:
 
     def post(self, body: bytes | memoryview) -> None:
         """Write one message without waiting: the caller's thread must never block on the peer."""
-        self._out += frame(body)
-        self.flush(0.0)
+        _write_frame(self.sock, self._out, body)
 
     def flush(self, until: float) -> bool:
         """Write what waits to go out, until ``time.monotonic()`` ``until``; True once all went."""

@@ -9,7 +9,7 @@ import itertools
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -113,8 +113,12 @@ def packs(
     if not (kv.is_cuda or options.pack_on_cpu):
         return False
     layout = layout or KVLayout.of(kv)
-    descriptors = num_regions(src_block_ids, dst_block_ids, 0, kv.shape[0], layout)
-    return descriptors > options.descriptors_per_piece * pieces
+    limit = options.descriptors_per_piece * pieces
+    # At most a descriptor per block (block-major), per (layer, block) layer-major: a send of few
+    # blocks, the usual one, cannot pack, and its runs need not be cut (``num_regions``).
+    if len(src_block_ids) * (1 if layout.block_major else layout.num_layers) <= limit:
+        return False
+    return num_regions(src_block_ids, dst_block_ids, 0, kv.shape[0], layout) > limit
 
 
 READ_MARGIN_S = 0.5
@@ -127,9 +131,9 @@ def _read_timeout(left: float) -> float:
     return max(left - min(READ_MARGIN_S, left / 10), 0.0)
 
 
-@dataclass(frozen=True)
-class _Offered:
-    """A READ offered to the decode node and not yet reported over."""
+class _Offered(NamedTuple):
+    """A READ offered to the decode node and not yet reported over (a tuple: one is made per send,
+    on the caller's path, where a frozen dataclass's ``__init__`` costs a microsecond)."""
 
     slot: int  # the staging slot it reads (-1: in place)
     read_until: float  # time.monotonic() here when the decode node's time for it ends
@@ -166,7 +170,8 @@ class NixlSession(SenderSession):
         (``packs``), the last KVReady with ``commit``, and return: the decode node commits behind its
         own READs. The returned function waits until the peer reported every READ over
         (``KVReadDone``; raises KVRefused if one was refused); after the ack it returns at once."""
-        src, dst, num_layers = staged.block_ids, list(dst_block_ids), self.plane.kv.shape[0]
+        src, num_layers = staged.block_ids, self.plane.kv.shape[0]
+        dst = dst_block_ids if isinstance(dst_block_ids, list) else list(dst_block_ids)
         self._error = ""
         pieces, chunks = self._plan(staged, dst)
         if pieces:
@@ -179,7 +184,7 @@ class NixlSession(SenderSession):
             )
         return self._finish
 
-    def _plan(self, staged: Staged, dst: list[int]) -> tuple[list, list[tuple[int, int]]]:
+    def _plan(self, staged: Staged, dst: Sequence[int]) -> tuple[list, list[tuple[int, int]]]:
         """How ``deliver`` sends: the pieces of a packed send (``packs``), else no pieces and the
         layer chunks READ in place (per-layer events: chunks follow the layers as they finish; not
         on one GPU, nor out of a block-major cache: the docstring)."""
@@ -207,7 +212,7 @@ class NixlSession(SenderSession):
         """Read in place in one READ whose blocks are written already: one message, no wait."""
         if self._pending or not staged.done():
             return False
-        pieces, chunks = self._plan(staged, list(dst_block_ids))
+        pieces, chunks = self._plan(staged, dst_block_ids)
         self._planned = (staged, pieces, chunks)  # ``deliver`` takes it rather than planning again
         return not pieces and len(chunks) == 1
 
