@@ -25,15 +25,17 @@ class NixlOptions:
     max_read_s: float = 10.0
     """A READ still running after this long is cancelled (it takes milliseconds on any sane link);
     it bounds how long the engine thread's ``ReservationTable.release`` can wait."""
-    prepared_max_blocks: int = 64
+    prepared_max_blocks: int = 512
     """A READ of at most this many blocks (block-major, every layer) takes a descriptor per block
-    by index from the lists prepared once even where its blocks are consecutive; longer ones one
-    descriptor per run, built for the READ. The READ alone (``pdserve.benchmarks.nixl_read_setup``,
-    one H200, two processes, medians): built 28.8 / 31.9 / 58.5 / 153.5 / 535.1 us against
-    prepared 19.6 / 23.3 / 51.6 / 150.2 / 550.9 at 1 / 8 / 32 / 128 / 512 blocks of 2 MiB: a built
-    list costs ~8 us more up to a few dozen blocks, the same at 128, and per-block descriptors
-    cost more than one long one past that. (An earlier figure of ~0.4 ms more for a built list,
-    taken inside whole sends, did not hold once measured alone.)"""
+    by index from the lists prepared once even where its blocks are consecutive (NIXL merges the
+    consecutive ones again); longer ones one descriptor per run, built for the READ (``coalesce``,
+    ``get_xfer_descs``, ``initialize_xfer``: ~35 us of the control thread at 128 blocks on the
+    2-core box, against ~10 by index). The READ alone (``pdserve.benchmarks.nixl_read_setup``, one
+    H200, two processes, medians): built 28.8 / 31.9 / 58.5 / 153.5 / 535.1 us against prepared
+    19.6 / 23.3 / 51.6 / 150.2 / 550.9 at 1 / 8 / 32 / 128 / 512 blocks of 2 MiB. Whole sends
+    (``kv_s18_variants_same_gpu_h200.json``, one H200, 4 runs each): 256 MiB (128 blocks) in
+    446-578 us best with a limit of 64, 382-445 with 512; 16 and 64 MiB, whose READs were
+    prepared either way, moved as much between the runs of the same code (~50 us)."""
     descriptors_per_piece: int = 100
     """A send is packed into staging slots (gather, one READ a slot, scatter) when READ in place it
     would take more than this many descriptors for each piece it takes packed. Between two processes
@@ -44,12 +46,17 @@ class NixlOptions:
     pack_on_cpu: bool = False
     """DRAM caches are read in place (packing costs two more copies on the CPU, and a descriptor
     little); tests set this to run the packed path on the CPU."""
-    settle_spin_s: float = 75e-6
-    """On a GPU, after a send's last READ started, the control thread polls it in a tight loop for
-    up to this long before it goes back to its turns (each a ``YIELD_S`` sleep and the loop's own
-    work, ~12-17 us later than a tight poll sees the end: ``nixl_read_setup_polls_h200.json``):
-    a READ of up to ~64 MiB on one GPU ends within it, and the commit and ack go out at once. The
-    GIL is held meanwhile, once per send, for no longer than this; 0 turns it off."""
+    settle_spin_s: float = 1e-3
+    """On a GPU, after a send's last READ started, the control thread polls it in a tight loop until
+    it ends, for at most this long, before it goes back to its turns (each a ``YIELD_S`` sleep
+    and the loop's own work): the commit and ack go out as the READ ends. On one H200 a READ of
+    256 MiB (~150-200 us) outlasted the 75 us this was before, and each turn after it cost more
+    than the ~12-17 us measured back to back (``nixl_read_setup_polls_h200.json``): 256 MiB sends
+    in 321 / 337 us best with 1 ms (and ``prepared_max_blocks`` 512), 382-445 with 75 us
+    (``kv_s18_variants_same_gpu_h200.json``). The GIL is held meanwhile, once per send, for as
+    long as its READ runs (a 1 GiB READ ~0.6 ms); a decode engine's thread that asks for it gets
+    it after the core process's switch interval at most (``engine_core.GIL_SWITCH_INTERVAL_S``,
+    0.5 ms). 0 turns it off."""
     layer_chunk_bytes: int = 32 << 20
     """With per-layer events, a send is offered in READs of layer chunks of about this size, each as
     soon as its layers are written."""
