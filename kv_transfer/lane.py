@@ -319,14 +319,16 @@ class ReceiverLane:
 
     def write(self, body: bytes) -> None:
         _write_frame(self.sock, self.out, body)
-        if len(self.out) > self.max_out:
-            raise LaneClosed(f"the sender left {len(self.out)} bytes of replies unread")
+        self._check_out()
 
     def flush(self) -> None:
         """Write what the socket takes now; raises LaneClosed if it broke or ``out`` grew too long."""
         if not self.out:
             return
         _write_some(self.sock, self.out)
+        self._check_out()
+
+    def _check_out(self) -> None:
         if len(self.out) > self.max_out:
             raise LaneClosed(f"the sender left {len(self.out)} bytes of replies unread")
 

@@ -170,8 +170,7 @@ class NixlSession(SenderSession):
         (``packs``), the last KVReady with ``commit``, and return: the decode node commits behind its
         own READs. The returned function waits until the peer reported every READ over
         (``KVReadDone``; raises KVRefused if one was refused); after the ack it returns at once."""
-        src, num_layers = staged.block_ids, self.plane.kv.shape[0]
-        dst = dst_block_ids if isinstance(dst_block_ids, list) else list(dst_block_ids)
+        src, dst, num_layers = staged.block_ids, dst_block_ids, self.plane.kv.shape[0]
         self._error = ""
         pieces, chunks = self._plan(staged, dst)
         if pieces:
