@@ -190,7 +190,7 @@ class ReservationTable:
         self, request_id: str, block_ids: Sequence[int], layer_start: int, layer_end: int, error: str = ""
     ) -> None:
         """The pinned transfer is over: landed (``error`` empty) or failed / cancelled."""
-        with self._settled:
+        with self._lock:  # ``_settled``'s lock, taken without the Condition's two Python calls
             left = self._inflight.get(request_id, 0) - 1
             if left > 0:
                 self._inflight[request_id] = left

@@ -116,6 +116,7 @@ class _Read:
     cancel_logged: bool = False
     slot: int = -1  # packed: the staging slot it lands in, then scattered from
     scatter: object = None  # packed: the CUDA event after the scatter (True once done on the CPU)
+    seen: str = ""  # its end state ("DONE", "ERR") as the settle spin saw it: ``_poll`` asks no more
 
 
 class NixlReceiverPlane(CacheEnd, ReceiverPlane):
@@ -226,8 +227,10 @@ class NixlReceiverPlane(CacheEnd, ReceiverPlane):
             if read.slot < 0:  # in place (a packed READ's scatter follows it: not worth a spin)
                 check, until = self.agent.check_xfer_state, time.perf_counter() + spin
                 try:
-                    while check(read.handle) == "PROC" and time.perf_counter() < until:
+                    while (state := check(read.handle)) == "PROC" and time.perf_counter() < until:
                         pass
+                    if state != "PROC":
+                        read.seen = state
                 except Exception:  # ``poll`` deals with a READ whose state cannot be read
                     pass
         self.poll()
@@ -439,7 +442,7 @@ class NixlReceiverPlane(CacheEnd, ReceiverPlane):
             self.bytes_received += read.nbytes
             self._end(read.peer, read.msg, read.slot, "")
             return True
-        state = self.agent.check_xfer_state(read.handle)
+        state = read.seen or self.agent.check_xfer_state(read.handle)
         if state == "PROC" and time.monotonic() < read.deadline:
             return False
         try:

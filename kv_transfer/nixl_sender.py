@@ -59,6 +59,7 @@ class NixlSenderPlane(CacheEnd, SenderPlane):
 
     def register(self, kv: torch.Tensor) -> None:
         self.take_cache(kv, "prefill")
+        self.packs_here = kv.is_cuda or self.options.pack_on_cpu  # where ``packs`` may say yes
 
     def offer(self) -> NixlOffer:
         kv = self.kv
@@ -152,7 +153,6 @@ class NixlSession(SenderSession):
         self.progress = plane.progress
         self._pending: dict[int, _Offered] = {}  # xfer id -> the READ
         self._error = ""  # the first refusal among the pending READs' reports
-        self._planned: tuple[Staged, list, list] | None = None  # ``quick``'s plan of the send it saw
 
     carries_commit = True  # inside the send's last KVReady
 
@@ -187,18 +187,12 @@ class NixlSession(SenderSession):
         """How ``deliver`` sends: the pieces of a packed send (``packs``), else no pieces and the
         layer chunks READ in place (per-layer events: chunks follow the layers as they finish; not
         on one GPU, nor out of a block-major cache: the docstring)."""
-        planned = self._planned
-        if planned is not None and planned[0] is staged:  # ``quick`` planned this send already
-            self._planned = None
-            return planned[1], planned[2]
         plane, kv = self.plane, self.plane.kv
         num_layers, slab = kv.shape[0], plane.slab_bytes
         layer_wise = len(staged.ready) > 1 and not self.same_gpu and not plane.layout.block_major
         # Packing is considered (``packs``) where it would pack as one piece: more pieces only
         # allow more descriptors, so a send of few runs (the usual one) skips cutting its pieces.
-        if (kv.is_cuda or plane.options.pack_on_cpu) and packs(
-            kv, staged.block_ids, dst, 1, plane.options, plane.layout
-        ):
+        if plane.packs_here and packs(kv, staged.block_ids, dst, 1, plane.options, plane.layout):
             chunk_bytes = plane.options.layer_chunk_bytes if layer_wise else 0
             pieces = stage_pieces(num_layers, len(dst), slab, plane.pool.slot_bytes, chunk_bytes)
             if packs(kv, staged.block_ids, dst, len(pieces), plane.options, plane.layout):
@@ -207,13 +201,26 @@ class NixlSession(SenderSession):
             return [], layer_chunks(num_layers, len(dst) * slab, plane.options.layer_chunk_bytes)
         return [], [(0, num_layers)]
 
-    def quick(self, staged: Staged, dst_block_ids: list[int]) -> bool:
-        """Read in place in one READ whose blocks are written already: one message, no wait."""
-        if self._pending or not staged.done():
-            return False
-        pieces, chunks = self._plan(staged, dst_block_ids)
-        self._planned = (staged, pieces, chunks)  # ``deliver`` takes it rather than planning again
-        return not pieces and len(chunks) == 1
+    def post(
+        self,
+        request_id: str,
+        src_block_ids: list[int],
+        dst_block_ids: list[int],
+        deadline: float,
+        commit: KVCommit,
+    ) -> Callable[[float], None] | None:
+        """One KVReady, with the commit: the blocks READ in place in one READ, none of the session's
+        READs pending, and the send not one to pack (``packs``); None otherwise."""
+        plane = self.plane
+        if self._pending or (
+            plane.packs_here and packs(plane.kv, src_block_ids, dst_block_ids, 1, plane.options, plane.layout)
+        ):
+            return None
+        self._error = ""
+        self._offer(
+            request_id, -1, src_block_ids, dst_block_ids, 0, plane.layout.num_layers, deadline, commit=commit
+        )
+        return self._finish
 
     def _offer(
         self,

@@ -240,11 +240,21 @@ class SenderSession(ABC):
         sender gives up instead, closing the session stops the data, or says until when it may
         still move (``close``)."""
 
-    def quick(self, staged: Staged, dst_block_ids: list[int]) -> bool:
-        """Whether ``deliver`` would send its messages at once and wait for nothing (no kernel, no
-        staging slot): the sender may then call it on the caller's thread (``post``ing on the
-        lane) while the peer's thread is idle. Never blocks."""
-        return False
+    def post(
+        self,
+        request_id: str,
+        src_block_ids: list[int],
+        dst_block_ids: list[int],
+        deadline: float,
+        commit: KVCommit,
+    ) -> Callable[[float], None] | None:
+        """Called by the sender on the caller's thread while the peer's thread is idle, for a
+        request's last send (``commit``) of blocks that wait for nothing: send it now if that takes
+        nothing but its messages (``ControlLink.send``, which does not wait on a posting thread):
+        no kernel, no staging slot, no wait. Returns what ``deliver`` would (the wait for the data
+        to have left), or None, having sent nothing, when it cannot; the send then takes the usual
+        way (``stage``, then ``deliver`` on the peer's thread). Never blocks."""
+        return None
 
     def acked(self) -> None:
         """The peer answered the commit of the send just delivered (either way); a plane whose

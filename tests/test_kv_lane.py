@@ -231,13 +231,13 @@ def test_a_last_send_of_written_blocks_goes_out_on_the_callers_thread(packed, mo
         monkeypatch.setattr(SenderLane, "send", lambda self, *a: (by.append("peer"), send(self, *a))[1])
         me = threading.get_ident()
         posted_on = []
-        send_now = control_sender._Peer._send_now
+        peer_post = control_sender._Peer.post
 
-        def recording_send_now(self, job):
+        def recording_post(self, *args):
             posted_on.append(threading.get_ident())
-            send_now(self, job)
+            return peer_post(self, *args)
 
-        monkeypatch.setattr(control_sender._Peer, "_send_now", recording_send_now)
+        monkeypatch.setattr(control_sender._Peer, "post", recording_post)
         _send_ok(pair, "now", [1, 2], [3, 4])
         pair.table.add("parts", [5, 6, 7], time.time() + 30)
         assert pair.send("parts", [8], [5], commit=False).result() is None

@@ -284,9 +284,11 @@ def _best(times: list[float]) -> float:
 
 def _stamped_send(sender, address, info, rid: str, src_ids, dst_ids, timeout: float) -> tuple[float, float]:
     """One send with its commit: when its outcome (the decode node's ack) reached the sender, and
-    when the caller blocked on ``result()`` woke, both ``time.perf_counter()``. The outcome is
-    stamped by a callback on the thread that resolves the send's future, the sender's peer thread,
-    which is where the prefill node takes it (it never blocks on ``result()``): the caller's own
+    when the caller woke, both ``time.perf_counter()``. The outcome is stamped by a callback on the
+    thread that resolves the send's future, the sender's peer thread, which is where the prefill
+    node takes it: it never blocks on ``result()``, and neither does this caller, which waits for
+    the callback instead (blocked on ``result()``, it would be woken by the future before the
+    callbacks run: a wake-up the prefill node never pays, inside the time). The caller's own
     wake-up is a benchmark's cost only."""
     from pdserve.kv_transfer.messages import KVCommit
 
@@ -299,9 +301,9 @@ def _stamped_send(sender, address, info, rid: str, src_ids, dst_ids, timeout: fl
 
     fut = sender.send(address, info, rid, src_ids, dst_ids, KVCommit(rid, 0), timeout, written=True)
     fut.add_done_callback(stamp)
-    ack = fut.result()
+    stamped.wait(timeout + 30)  # the send resolves by its timeout; result() then says how
     woken = time.perf_counter()
-    stamped.wait()  # the callback runs right after the future wakes this thread
+    ack = fut.result(0)
     assert ack.ok, ack.error
     return outcome[0], woken
 
@@ -470,7 +472,7 @@ BREAKDOWN = (
     ("data_in", "landed", "receiver: READ set up and ended / frames copied in"),
     ("landed", "ack_out", "receiver: commit (lease table, on_commit) and the ack out"),
     ("ack_out", "ack_in", "wire: ack to the sender's peer thread"),
-    ("ack_in", "done", "sender: ack to the caller, woken by the future"),
+    ("ack_in", "done", "sender: ack to the caller's wake-up (the stamp's event)"),
 )
 """(from, to, what) stamps of one send: the processes share ``time.perf_counter`` (CLOCK_MONOTONIC)."""
 
@@ -513,7 +515,7 @@ class _Probe:
             self._wrap(control_sender.ControlSender, "send", "send", lambda a, r: a[2])
             self._wrap(control_sender._Peer, "_do", "picked", self._job)
             # A send the engine's thread puts on the lane itself (``_Peer.submit``) goes out there.
-            self._wrap(control_sender._Peer, "_send_now", "direct", self._job)
+            self._wrap(control_sender._Peer, "post", "direct", self._posted)
             # The first message a job puts on the connection, as it starts (the thread may well be
             # preempted by the process it wakes before the call returns); not a lease renewal that
             # goes out ahead of it (``_Peer._renew_now``).
@@ -536,6 +538,10 @@ class _Probe:
 
     def _job(self, args, result) -> str | None:
         self.current = args[0].request_id or None
+        return self.current
+
+    def _posted(self, args, result) -> str | None:  # ``_Peer.post(info, request_id, ...)``
+        self.current = args[1] or None
         return self.current
 
     def _wrap(self, cls, name: str, key: str, rid_of, at_exit: bool = False, first: bool = False) -> None:
