@@ -184,22 +184,32 @@ class NixlSession(SenderSession):
         return self._finish
 
     def _plan(self, staged: Staged, dst: Sequence[int]) -> tuple[list, list[tuple[int, int]]]:
-        """How ``deliver`` sends: the pieces of a packed send (``packs``), else no pieces and the
+        """How ``deliver`` sends: the pieces of a packed send (``_pieces``), else no pieces and the
         layer chunks READ in place (per-layer events: chunks follow the layers as they finish; not
         on one GPU, nor out of a block-major cache: the docstring)."""
-        plane, kv = self.plane, self.plane.kv
-        num_layers, slab = kv.shape[0], plane.slab_bytes
+        plane = self.plane
+        num_layers = plane.layout.num_layers
         layer_wise = len(staged.ready) > 1 and not self.same_gpu and not plane.layout.block_major
-        # Packing is considered (``packs``) where it would pack as one piece: more pieces only
-        # allow more descriptors, so a send of few runs (the usual one) skips cutting its pieces.
-        if plane.packs_here and packs(kv, staged.block_ids, dst, 1, plane.options, plane.layout):
-            chunk_bytes = plane.options.layer_chunk_bytes if layer_wise else 0
-            pieces = stage_pieces(num_layers, len(dst), slab, plane.pool.slot_bytes, chunk_bytes)
-            if packs(kv, staged.block_ids, dst, len(pieces), plane.options, plane.layout):
-                return pieces, []
+        pieces = self._pieces(staged.block_ids, dst, layer_wise)
+        if pieces:
+            return pieces, []
         if layer_wise:
-            return [], layer_chunks(num_layers, len(dst) * slab, plane.options.layer_chunk_bytes)
+            return [], layer_chunks(num_layers, len(dst) * plane.slab_bytes, plane.options.layer_chunk_bytes)
         return [], [(0, num_layers)]
+
+    def _pieces(self, src: Sequence[int], dst: Sequence[int], layer_wise: bool) -> list:
+        """The staging pieces of a send that packs (``packs``, with as many descriptors as its pieces
+        allow), else []. Packing is first considered as one piece: more pieces only allow more
+        descriptors, so a send of few runs (the usual one) skips cutting its pieces."""
+        plane = self.plane
+        if not (plane.packs_here and packs(plane.kv, src, dst, 1, plane.options, plane.layout)):
+            return []
+        chunk_bytes = plane.options.layer_chunk_bytes if layer_wise else 0
+        layout = plane.layout
+        pieces = stage_pieces(
+            layout.num_layers, len(dst), plane.slab_bytes, plane.pool.slot_bytes, chunk_bytes
+        )
+        return pieces if packs(plane.kv, src, dst, len(pieces), plane.options, layout) else []
 
     def post(
         self,
@@ -209,17 +219,14 @@ class NixlSession(SenderSession):
         deadline: float,
         commit: KVCommit,
     ) -> Callable[[float], None] | None:
-        """One KVReady, with the commit: the blocks READ in place in one READ, none of the session's
-        READs pending, and the send not one to pack (``packs``); None otherwise."""
-        plane = self.plane
-        if self._pending or (
-            plane.packs_here and packs(plane.kv, src_block_ids, dst_block_ids, 1, plane.options, plane.layout)
-        ):
+        """One KVReady, with the commit: the blocks READ in place in one READ (written: no layer
+        chunks), none of the session's READs pending, and the send not one that packs
+        (``_pieces``); None otherwise."""
+        if self._pending or self._pieces(src_block_ids, dst_block_ids, False):
             return None
         self._error = ""
-        self._offer(
-            request_id, -1, src_block_ids, dst_block_ids, 0, plane.layout.num_layers, deadline, commit=commit
-        )
+        num_layers = self.plane.layout.num_layers
+        self._offer(request_id, -1, src_block_ids, dst_block_ids, 0, num_layers, deadline, commit=commit)
         return self._finish
 
     def _offer(

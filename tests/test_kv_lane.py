@@ -253,6 +253,32 @@ def test_a_last_send_of_written_blocks_goes_out_on_the_callers_thread(packed, mo
 
 
 @nixl_only
+def test_a_send_that_packs_only_as_one_piece_goes_out_at_once_in_place(monkeypatch):
+    """Packing is weighed as one piece first, but a send packs only if it would in the pieces its
+    slots cut it into (more pieces allow more descriptors). One descriptor a piece, slots of four
+    slabs: two runs of a block each would pack as one piece, but their three layers go in two
+    pieces (two layers, then one), which allow two descriptors: in place, and the caller's thread
+    puts it on the lane (it went through the peer's thread, planning twice there, before). Four
+    runs in three pieces (a layer each) pack, through the peer's thread."""
+    slab = 2 * SMALL[2] * SMALL[1] * SMALL[3] * 4  # [2, BS, H, D] float32
+    staging = kv_transfer.StagingOptions(num_slots=2, slot_bytes=4 * slab)
+    options = (kv_transfer.NixlOptions(pack_on_cpu=True, descriptors_per_piece=1, staging=staging),)
+    pair = Pair(SMALL, src_blocks=16, dst_blocks=32, options=options)
+    try:
+        pair.sender.handshake(pair.address, info("prefill", SMALL), 10)
+        by = []
+        post, send = SenderLane.post, SenderLane.send
+        monkeypatch.setattr(SenderLane, "post", lambda self, body: (by.append("caller"), post(self, body))[1])
+        monkeypatch.setattr(SenderLane, "send", lambda self, *a: (by.append("peer"), send(self, *a))[1])
+        _send_ok(pair, "two-runs", [1, 5], [3, 9])
+        assert by == ["caller"] and torch.equal(pair.dst[:, [3, 9]], pair.src[:, [1, 5]])
+        _send_ok(pair, "four-runs", [1, 5, 9, 13], [20, 24, 28, 31])
+        assert by[1:] and "caller" not in by[1:]
+    finally:
+        pair.close()
+
+
+@nixl_only
 def test_a_last_part_never_overtakes_a_job_the_peer_thread_took_and_has_not_done(pair, monkeypatch):
     """The peer's thread has taken a chunk of the request off its queue but not yet started it: the
     request's last part, sent meanwhile, goes behind it through that thread, not out at once on the
