@@ -57,6 +57,16 @@ def _send_ok(pair: Pair, rid: str, src: list[int], dst: list[int]) -> None:
     assert torch.equal(pair.dst[:, dst], pair.src[:, src])
 
 
+def _lane_writers(monkeypatch) -> list[str]:
+    """Who writes each message on a sender's lane from now on: "caller" (``SenderLane.post``, the
+    caller's thread) or "peer" (``SenderLane.send``, the peer's thread), in order."""
+    by: list[str] = []
+    post, send = SenderLane.post, SenderLane.send
+    monkeypatch.setattr(SenderLane, "post", lambda self, body: (by.append("caller"), post(self, body))[1])
+    monkeypatch.setattr(SenderLane, "send", lambda self, *a: (by.append("peer"), send(self, *a))[1])
+    return by
+
+
 @pytest.fixture(params=["unix", "tcp"])
 def pair(request):
     """A nixl pair whose lane is the receiver's Unix socket (both on this host), or its TCP port (the
@@ -225,10 +235,7 @@ def test_a_last_send_of_written_blocks_goes_out_on_the_callers_thread(packed, mo
     pair = Pair(SMALL, src_blocks=16, dst_blocks=32, options=options)
     try:
         pair.sender.handshake(pair.address, info("prefill", SMALL), 10)
-        by = []
-        post, send = SenderLane.post, SenderLane.send
-        monkeypatch.setattr(SenderLane, "post", lambda self, body: (by.append("caller"), post(self, body))[1])
-        monkeypatch.setattr(SenderLane, "send", lambda self, *a: (by.append("peer"), send(self, *a))[1])
+        by = _lane_writers(monkeypatch)
         me = threading.get_ident()
         posted_on = []
         peer_post = control_sender._Peer.post
@@ -266,10 +273,7 @@ def test_a_send_that_packs_only_as_one_piece_goes_out_at_once_in_place(monkeypat
     pair = Pair(SMALL, src_blocks=16, dst_blocks=32, options=options)
     try:
         pair.sender.handshake(pair.address, info("prefill", SMALL), 10)
-        by = []
-        post, send = SenderLane.post, SenderLane.send
-        monkeypatch.setattr(SenderLane, "post", lambda self, body: (by.append("caller"), post(self, body))[1])
-        monkeypatch.setattr(SenderLane, "send", lambda self, *a: (by.append("peer"), send(self, *a))[1])
+        by = _lane_writers(monkeypatch)
         _send_ok(pair, "two-runs", [1, 5], [3, 9])
         assert by == ["caller"] and torch.equal(pair.dst[:, [3, 9]], pair.src[:, [1, 5]])
         _send_ok(pair, "four-runs", [1, 5, 9, 13], [20, 24, 28, 31])
