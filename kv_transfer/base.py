@@ -369,10 +369,6 @@ class Staged:
                 return event
         return self.ready[-1][1] if self.ready else None
 
-    def done(self) -> bool:
-        """Every layer is staged already (nothing left to wait for); never blocks."""
-        return all(event.query() for _, event in self.ready)
-
     def wait(self, layer_end: int | None = None) -> None:
         """Block until layers [0, layer_end) (default: all) are staged."""
         event = self.event(layer_end)

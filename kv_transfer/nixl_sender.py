@@ -170,7 +170,7 @@ class NixlSession(SenderSession):
         (``packs``), the last KVReady with ``commit``, and return: the decode node commits behind its
         own READs. The returned function waits until the peer reported every READ over
         (``KVReadDone``; raises KVRefused if one was refused); after the ack it returns at once."""
-        src, dst, num_layers = staged.block_ids, dst_block_ids, self.plane.kv.shape[0]
+        src, dst, num_layers = staged.block_ids, dst_block_ids, self.plane.layout.num_layers
         self._error = ""
         pieces, chunks = self._plan(staged, dst)
         if pieces:
@@ -201,11 +201,10 @@ class NixlSession(SenderSession):
         """The staging pieces of a send that packs (``packs``, with as many descriptors as its pieces
         allow), else []. Packing is first considered as one piece: more pieces only allow more
         descriptors, so a send of few runs (the usual one) skips cutting its pieces."""
-        plane = self.plane
-        if not (plane.packs_here and packs(plane.kv, src, dst, 1, plane.options, plane.layout)):
+        plane, layout = self.plane, self.plane.layout
+        if not (plane.packs_here and packs(plane.kv, src, dst, 1, plane.options, layout)):
             return []
         chunk_bytes = plane.options.layer_chunk_bytes if layer_wise else 0
-        layout = plane.layout
         pieces = stage_pieces(
             layout.num_layers, len(dst), plane.slab_bytes, plane.pool.slot_bytes, chunk_bytes
         )
