@@ -187,9 +187,17 @@ class ReservationTable:
             return error
 
     def end(
-        self, request_id: str, block_ids: Sequence[int], layer_start: int, layer_end: int, error: str = ""
-    ) -> None:
-        """The pinned transfer is over: landed (``error`` empty) or failed / cancelled."""
+        self,
+        request_id: str,
+        block_ids: Sequence[int],
+        layer_start: int,
+        layer_end: int,
+        error: str = "",
+        commit: bool = False,
+    ) -> str:
+        """The pinned transfer is over: landed (``error`` empty) or failed / cancelled. With
+        ``commit`` (the request's last transfer, its commit waiting), the request is then committed
+        under the same hold of the lock: ``commit``'s error, or "" once committed; else ""."""
         with self._lock:  # ``_settled``'s lock, taken without the Condition's two Python calls
             left = self._inflight.get(request_id, 0) - 1
             if left > 0:
@@ -204,6 +212,7 @@ class ReservationTable:
                     r.landed.append((layer_start, layer_end, block_ids))
             if self._releasing:
                 self._settled.notify_all()
+            return self._commit(request_id) if commit else ""
 
     def fail(self, request_id: str, error: str) -> None:
         with self._lock:
@@ -214,20 +223,24 @@ class ReservationTable:
     def commit(self, request_id: str) -> str:
         """Mark complete if every (layer, block) landed and nothing failed; returns an error or ""."""
         with self._lock:
-            r = self._table.get(request_id)
-            if r is None:
-                return f"no reservation for request {request_id!r} (expired, aborted or unknown)"
-            if r.error:
-                return r.error
-            if self._clock() > r.deadline:
-                return "lease expired before the KV arrived"
-            if self._inflight.get(request_id):
-                return f"request {request_id!r} committed while part of its KV was still in flight"
-            missing = r.num_missing(self.num_layers)
-            if missing:
-                return f"{missing} of {self.num_layers * len(r.block_ids)} layer-blocks never arrived"
-            r.committed = True
-            return ""
+            return self._commit(request_id)
+
+    def _commit(self, request_id: str) -> str:
+        """``commit``; the caller holds the lock."""
+        r = self._table.get(request_id)
+        if r is None:
+            return f"no reservation for request {request_id!r} (expired, aborted or unknown)"
+        if r.error:
+            return r.error
+        if self._clock() > r.deadline:
+            return "lease expired before the KV arrived"
+        if self._inflight.get(request_id):
+            return f"request {request_id!r} committed while part of its KV was still in flight"
+        missing = r.num_missing(self.num_layers)
+        if missing:
+            return f"{missing} of {self.num_layers * len(r.block_ids)} layer-blocks never arrived"
+        r.committed = True
+        return ""
 
     def expired(self) -> list[str]:
         """Uncommitted reservations past their deadline."""

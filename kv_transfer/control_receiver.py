@@ -404,7 +404,7 @@ class ControlReceiver(KVReceiver):
             for lane in stale:
                 self._close_lane(lane, "no token in time")
 
-    def _lane_message(self, lane: ReceiverLane, body: bytes, info, table, on_commit) -> None:
+    def _lane_message(self, lane: ReceiverLane, body: bytearray, info, table, on_commit) -> None:
         if lane.peer is None:  # the first message: the token of the set-up it belongs to
             try:
                 token = decode(body, KVLane).token

@@ -86,6 +86,10 @@ class FrameReader:
 
     def feed(self, data: bytes | memoryview) -> None:
         if self._pos:
+            if self._pos == len(self._buf):  # every frame taken (the usual case): no shift, no growth
+                self._buf[:] = data
+                self._pos = 0
+                return
             del self._buf[: self._pos]
             self._pos = 0
         self._buf += data
@@ -107,8 +111,9 @@ class FrameReader:
         self.feed(self._scratch[:n])
         return n
 
-    def next(self) -> bytes | None:
-        """The next whole frame, or None until more bytes come."""
+    def next(self) -> bytearray | None:
+        """The next whole frame (a copy, which ``decode`` takes as it takes bytes), or None until
+        more bytes come."""
         buf, pos = self._buf, self._pos
         if len(buf) - pos < LENGTH.size:
             return None
@@ -119,7 +124,7 @@ class FrameReader:
         if len(buf) < end:
             return None
         self._pos = end
-        return bytes(buf[pos + LENGTH.size : end])
+        return buf[pos + LENGTH.size : end]
 
     def take(self, into: memoryview) -> int:
         """Move buffered bytes that are not a frame yet (a payload's first bytes, read with its
@@ -264,7 +269,7 @@ class ReceiverLane:
         self.peer = peer
         self.reader.max_bytes = self.max_bytes
 
-    def read(self) -> Iterator[bytes]:
+    def read(self) -> Iterator[bytearray]:
         """The whole frames that arrived, one at a time; between them, a payload announced by the one
         before (``expect``) goes into its sink, straight off the socket. Ends once the socket has
         nothing more now; raises LaneClosed once the sender closed or broke it."""
@@ -421,7 +426,7 @@ class SenderLane:
             self._writable.poll(max(int(left * 1000 + 0.999), 1))
         return True
 
-    def recv(self, wait_s: float) -> bytes | None:
+    def recv(self, wait_s: float) -> bytearray | None:
         """The next frame, waiting up to ``wait_s`` for it (None when none came)."""
         body = self.reader.next()
         if body is not None:

@@ -106,7 +106,7 @@ class _Remote:
     units: object = None  # its cache as a prepared descriptor list of units (``_unit_array``)
 
 
-@dataclass
+@dataclass(slots=True)
 class _Read:
     handle: object
     peer: bytes  # the sender's control connection, where the KVReadDone goes
@@ -264,12 +264,15 @@ class NixlReceiverPlane(CacheEnd, ReceiverPlane):
             if (peer, commit.request_id) in busy:
                 waiting.append((peer, commit))
                 continue
-            error = self.table.commit(commit.request_id)
-            if not error:
-                self.on_commit(commit)
-            if self.outbox is not None:
-                self.outbox.put(peer, KVAck(request_id=commit.request_id, ok=not error, error=error))
+            self._ack(peer, commit, self.table.commit(commit.request_id))
         self._commits = waiting
+
+    def _ack(self, peer: bytes, commit: KVCommit, error: str) -> None:
+        """The request's commit was taken ("") or refused (why): start it, and answer the sender."""
+        if not error:
+            self.on_commit(commit)
+        if self.outbox is not None:
+            self.outbox.put(peer, KVAck(request_id=commit.request_id, ok=not error, error=error))
 
     def drop(self, peer: bytes) -> None:
         """Its READs in flight run on to their end or deadline; its commits still waiting for them
@@ -484,11 +487,34 @@ class NixlReceiverPlane(CacheEnd, ReceiverPlane):
         return event
 
     def _end(self, peer: bytes, msg: KVReady, slot: int, error: str) -> None:
-        """The READ (and scatter) is over: unpin, free its slot, tell the sender (``_reply``)."""
-        self.table.end(msg.request_id, msg.dst_block_ids, msg.layer_start, msg.layer_end, error)
+        """The READ (and scatter) is over: unpin, free its slot, tell the sender (``_reply``). The
+        request's last READ that landed with its commit waiting (the usual send: one READ, the
+        commit inside its KVReady) is committed as it is unpinned, under one hold of the table's
+        lock, and acked at once; any other commit waits for ``_settle_commits``."""
+        commit = None if error else self._last_read(peer, msg)
+        outcome = self.table.end(
+            msg.request_id, msg.dst_block_ids, msg.layer_start, msg.layer_end, error, commit is not None
+        )
         if slot >= 0:
             self.pool.release(slot)
-        self._reply(peer, msg, error)
+        if commit is None:
+            self._reply(peer, msg, error)
+            return
+        self._commits.remove(commit)
+        self._ack(peer, commit[1], outcome)
+
+    def _last_read(self, peer: bytes, msg: KVReady) -> tuple[bytes, KVCommit] | None:
+        """The commit waiting for ``msg``'s request (peer, commit) when this is its last READ: none
+        other running (``_inflight`` may still hold this one) or waiting for a slot; else None."""
+        rid = msg.request_id
+        commit = next((c for c in self._commits if c[0] == peer and c[1].request_id == rid), None)
+        if commit is None or any(
+            r.msg is not msg and r.peer == peer and r.msg.request_id == rid for r in self._inflight
+        ):
+            return None
+        if self._waiting and any(p == peer and m.request_id == rid for p, m, _ in self._waiting):
+            return None
+        return commit
 
     def _reply(self, peer: bytes, msg: KVReady, error: str) -> None:
         """Tell the sender the READ is over: it may reuse the source blocks from now on; unless the

@@ -434,7 +434,7 @@ def encode(msg: Message) -> bytes:
     return _encoder.encode(msg)
 
 
-def decode(data: bytes | memoryview, kind: type[T]) -> T:
+def decode(data: bytes | bytearray | memoryview, kind: type[T]) -> T:
     """Decode ``data`` as ``kind`` (a Message subclass or a Union of them); raises ``msgspec.DecodeError``."""
     dec = _decoders.get(kind)
     if dec is None:

@@ -34,6 +34,15 @@ def test_frames_split_anywhere_come_out_whole_and_an_oversized_one_closes_the_la
             while (body := reader.next()) is not None:
                 out.append(body)
         assert out == [b"a" * 5, b"", b"xyz" * 100]
+    # Fed a frame at a time (every frame taken before the next comes), then one cut in two.
+    reader = FrameReader(max_bytes=300)
+    for body in (b"a" * 5, b"bb", b"xyz" * 100):
+        reader.feed(frame(body))
+        assert reader.next() == body and reader.next() is None
+    reader.feed(frame(b"cut")[:3])
+    assert reader.next() is None
+    reader.feed(frame(b"cut")[3:] + frame(b"d"))
+    assert [reader.next(), reader.next(), reader.next()] == [b"cut", b"d", None]
     reader = FrameReader(max_bytes=299)
     reader.feed(frame(b"xyz" * 100))
     with pytest.raises(LaneClosed, match="300 bytes"):

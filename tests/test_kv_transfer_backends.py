@@ -445,6 +445,25 @@ def test_commit_refuses_kv_still_in_flight():
     assert table.commit("r") == "NIXL READ failed (peer gone?)"
 
 
+def test_the_last_transfer_ends_with_its_commit_under_one_hold_of_the_lock():
+    """``end(..., commit=True)``: the request is committed as its last transfer is unpinned, with
+    ``commit``'s checks: refused while another transfer of it is still pinned, or when the one
+    that ended failed; taken once every block landed."""
+    table = ReservationTable(2)
+    table.add("r", [1, 2], time.time() + 10)
+    assert table.begin("r", [1], 0, 2) == "" and table.begin("r", [2], 0, 2) == ""
+    assert "still in flight" in table.end("r", [1], 0, 2, commit=True)
+    assert table.end("r", [2], 0, 2, commit=True) == ""
+    assert "already committed" in table.begin("r", [1], 0, 2)
+    table.add("f", [3], time.time() + 10)
+    assert table.begin("f", [3], 0, 2) == ""
+    assert table.end("f", [3], 0, 2, "NIXL READ failed", commit=True) == "NIXL READ failed"
+    table.add("m", [4, 5], time.time() + 10)
+    assert table.begin("m", [4], 0, 2) == ""
+    assert "never arrived" in table.end("m", [4], 0, 2, commit=True)
+    assert table.end("m", [4], 0, 2) == ""  # without commit: "" whatever the request's state
+
+
 @pytest.mark.parametrize("max_bytes", [0, 2 * 64, 3 * 64])
 def test_coalesce_runs_contiguous_on_both_sides(max_bytes):
     from pdserve.kv_transfer.base import KVLayout, coalesce

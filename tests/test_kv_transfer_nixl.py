@@ -622,6 +622,27 @@ def test_a_read_that_ends_behind_a_waiting_commit_is_reported_by_the_ack_alone()
     assert replies[1][1].ok and [c.request_id for c in commits] == ["behind"]
 
 
+def test_the_last_read_of_a_request_is_committed_and_acked_as_it_ends():
+    """A READ that lands with its request's commit waiting and no other READ of the request left
+    (running or waiting for a slot) is committed as it is unpinned and acked at once; one with
+    another READ of its request still running leaves the commit waiting for that one."""
+    table = ReservationTable(3)
+    table.add("r", [0, 1], time.time() + 30)
+    plane, acks, commits = _bare_receiver_plane(table)
+    first, last = _read(b"p", "r", time.monotonic() + 30), _read(b"p", "r", time.monotonic() + 30)
+    last.msg = msgspec.structs.replace(last.msg, xfer_id=2, dst_block_ids=[1])
+    assert table.begin("r", [0], 0, 3) == "" and table.begin("r", [1], 0, 3) == ""
+    plane._inflight = [first, last]
+    plane.handle(b"p", KVCommit("r", first_token=1), ())
+    plane._end(b"p", first.msg, -1, "")  # the other READ still runs: neither reported nor acked
+    assert acks == [] and commits == [] and len(plane._commits) == 1
+    plane._inflight = [last]
+    plane._end(b"p", last.msg, -1, "")  # the last one: committed and acked here
+    assert [(type(m).__name__, m.request_id, m.ok) for _, m in acks] == [("KVAck", "r", True)]
+    assert [c.request_id for c in commits] == ["r"] and plane._commits == []
+    assert "already committed" in table.begin("r", [0], 0, 3)
+
+
 def test_a_read_that_ends_past_its_deadline_fails_its_request():
     """A READ found done only after its deadline may have read blocks the sender gave back by
     then: it counts as failed, and the commit waiting behind it is refused."""
