@@ -430,8 +430,8 @@ class NixlReceiverPlane(CacheEnd, ReceiverPlane):
         few = layout.block_major and len(msg.dst_block_ids) <= self.options.prepared_max_blocks
         if not few and not _scattered(msg.src_block_ids, msg.dst_block_ids):
             return None
-        if layout.block_major:
-            return list(msg.dst_block_ids), list(msg.src_block_ids)
+        if layout.block_major:  # the message's own lists (NIXL copies them into the request)
+            return msg.dst_block_ids, msg.src_block_ids
         local = _slab_indices(msg.dst_block_ids, l0, l1, self.num_blocks)
         return local, _slab_indices(msg.src_block_ids, l0, l1, remote.num_blocks)
 

@@ -512,11 +512,21 @@ def test_kv_transfer_benchmark_dry_run(tmp_path):
     for row in result["results"]:
         assert row["pdserve_zmq_gb_s"] > 0 and row["raw_tcp_gb_s"] > 0
         assert row["ratio_zmq_to_raw_tcp"] == pytest.approx(row["pdserve_zmq_gb_s"] / row["raw_tcp_gb_s"])
+        assert row["ratio_zmq_to_raw_tcp_paired_median"] > 0
     assert 0 < result["one_block_send_us"]["zmq"]["p50"] <= result["one_block_send_us"]["zmq"]["p90"]
     steps = result["one_block_breakdown_us"]["zmq"]
     outcome = steps["send to its outcome on the sender's peer thread (what is timed)"]["p50"]
     assert 0 < steps["send to the commit on the receiver (what TTFT waits for)"]["p50"] < outcome
     assert outcome <= steps["the whole send, to the caller's wake-up"]["p50"]
+
+
+def test_the_paired_ratio_pairs_runs_of_the_same_round_and_leaves_out_the_warm_up():
+    from pdserve.benchmarks.kv_transfer import _paired_median
+
+    ours = [9.0, 2.0, 4.0, 8.0]  # a warm-up, then rounds in which the host ran fast, slow, slower
+    anchor = [1.0, 1.0, 2.0, 4.0]
+    assert _paired_median(ours, anchor) == 0.5  # every round's pair: 0.5; best to best would be 1/2 too
+    assert _paired_median([9.0, 1.0, 4.0, 4.0], [1.0, 1.0, 1.0, 4.0]) == 1.0  # pairs 1, 0.25, 1
 
 
 # -- payloads on the lane (``kv_transfer.lane``: raw bytes after their header) ------------------------

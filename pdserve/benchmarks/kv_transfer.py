@@ -98,13 +98,22 @@ def _pieces(address: int, nbytes: int, piece: int, device: int) -> list[tuple[in
     return [(address + o, min(piece, nbytes - o), device) for o in range(0, nbytes, piece)]
 
 
-def _nixl_run(agent, op: str, local, remote, remote_name: str) -> str:
-    """One NIXL transfer, polled to its end; its final state."""
+def _nixl_run(agent, op: str, local, remote, remote_name: str, stamps: list | None = None) -> str:
+    """One NIXL transfer, polled to its end; its final state. ``stamps`` (a list) gets the
+    ``time.perf_counter()`` of each step's end: built, posted, over, released."""
     handle = agent.initialize_xfer(op, local, remote, remote_name)
+    if stamps is not None:
+        stamps.append(time.perf_counter())
     state = agent.transfer(handle)
+    if stamps is not None:
+        stamps.append(time.perf_counter())
     while state == "PROC":
         state = agent.check_xfer_state(handle)
+    if stamps is not None:
+        stamps.append(time.perf_counter())
     handle.release()
+    if stamps is not None:
+        stamps.append(time.perf_counter())
     return state
 
 
@@ -227,10 +236,11 @@ def _receiver(
             mem = "VRAM" if device.startswith("cuda") else "DRAM"
             conn.send((nixl.get_agent_metadata(), buf.data_ptr(), max(buf.get_device(), 0)))
             nixl_remote = (remote_name, address_remote, dev, mem)
-        elif kind == "raw_nixl":
+        elif kind in ("raw_nixl", "raw_nixl_steps"):  # steps: the time stamps of each, sent back too
             nbytes, piece = arg
             remote_name, address_remote, dev, mem = nixl_remote
             start = time.perf_counter()
+            stamps = [start] if kind == "raw_nixl_steps" else None
             here = max(buf.get_device(), 0)
             if isinstance(piece, tuple):  # blocks 0..n-1 of a layer-major cache: one descriptor a layer
                 layers, src_blocks, n, slab = piece
@@ -241,7 +251,10 @@ def _receiver(
                 source = _pieces(address_remote, nbytes, piece, dev)
             local = nixl.get_xfer_descs(local, mem)
             remote = nixl.get_xfer_descs(source, mem)
-            state = _nixl_run(nixl, "READ", local, remote, remote_name)
+            state = _nixl_run(nixl, "READ", local, remote, remote_name, stamps)
+            if stamps is not None:
+                conn.send((state, stamps))
+                continue
             conn.send((state, time.perf_counter() - start))  # the operation alone, timed here
         elif kind == "probe":  # start stamping (True), or stop and send the stamps back
             if arg:
@@ -280,6 +293,15 @@ def _best(times: list[float]) -> float:
     transport can do, with the noise of a shared machine kept out; every figure, pdserve's and the
     anchors', is taken this way, with the median beside it, from runs interleaved round by round."""
     return min(times[1:])
+
+
+def _paired_median(ours: list[float], anchor: list[float]) -> float:
+    """The median over the timed runs of the anchor's time over ours, each pair from the same round
+    (a drift of the host between rounds falls on both alike): the typical ratio, where best to best
+    is the most favourable run of each side (on one H200 host it moved by up to 0.3 between
+    runs of the same code, a paired median by much less)."""
+    pairs = sorted(a / o for o, a in zip(ours[1:], anchor[1:]))
+    return pairs[len(pairs) // 2]
 
 
 def _stamped_send(
@@ -356,6 +378,44 @@ def _raw_nixl_read(remote, nbytes: int, piece: int, op_times: list[float], progr
     assert state == "DONE", state
     op_times.append(op_seconds)
     return seconds
+
+
+RAW_STEPS = (
+    "anchor: request to the receiver's thread (pickled, the pipe, its wake-up)",
+    "anchor: READ built (descriptors, initialize_xfer)",
+    "anchor: READ posted (transfer)",
+    "anchor: READ running, polled to its end",
+    "anchor: READ released",
+    "anchor: answer to the sender (pickled, the pipe, its wake-up)",
+)
+"""The steps of one raw NIXL READ (``_raw_steps_us``), beside pdserve's (``BREAKDOWN``)."""
+
+
+def _raw_steps_us(remote, nbytes: int, count: int, progress=None) -> dict:
+    """Where the raw READ anchor's time goes, as ``_breakdown_us`` for pdserve's sends: p50 and p90
+    in microseconds of each of ``RAW_STEPS`` and of the whole, over ``count`` READs of one
+    descriptor back to back (after 10 to warm up)."""
+    steps: dict[str, list[float]] = {}
+    for i in range(count + 10):
+        sent = time.perf_counter()
+        remote.conn.send(("raw_nixl_steps", (nbytes, 0)))
+        while not remote.conn.poll(0.001):
+            if progress is not None:
+                progress()
+        state, stamps = remote.conn.recv()
+        answered = time.perf_counter()
+        assert state == "DONE", state
+        if i < 10:
+            continue
+        marks = [sent, *stamps, answered]  # woken, built, posted, over, released in between
+        spans = [*zip(RAW_STEPS, marks, marks[1:]), ("anchor: the whole READ, to its answer", sent, answered)]
+        for what, start, end in spans:
+            steps.setdefault(what, []).append((end - start) * 1e6)
+    result = {}
+    for what, values in steps.items():
+        values.sort()
+        result[what] = {"p50": values[len(values) // 2], "p90": values[int(len(values) * 0.9)]}
+    return result
 
 
 def _raw_nixl_write(remote, agent, local, target, receiver_name: str) -> float:
@@ -875,6 +935,14 @@ def run(args: argparse.Namespace) -> dict:
             if k.startswith("ratio_") and k.endswith("_to_" + own.get(k[6:].split("_")[0], ""))
         )
         print(f"{size:5d} MiB ratios (best to best): {ratios}", flush=True)
+        paired = []
+        for name in measured:
+            anchor = own.get(name.split("_")[0], "")
+            if anchor in times and f"pdserve_{name}" in times:
+                ratio = _paired_median(times[f"pdserve_{name}"], times[anchor])
+                row[f"ratio_{name}_to_{anchor}_paired_median"] = ratio
+                paired.append(f"{name}_to_{anchor} {ratio:.2f}")
+        print(f"{size:5d} MiB ratios (median of pairs from the same round): {', '.join(paired)}", flush=True)
         # Where a send of this size spends its time, in order and shuffled, the way each transport
         # picks for itself (what the fixed cost cannot tell: what grows with the blocks).
         for name, sender in senders.items() if args.breakdown else ():
@@ -887,6 +955,13 @@ def run(args: argparse.Namespace) -> dict:
                 print(f"{size:5d} MiB: where a send's time goes, {name} {order} (us, p50 / p90):", flush=True)
                 for what, us in steps.items():
                     print(f"  {what:64s} {us['p50']:8.1f} {us['p90']:8.1f}", flush=True)
+        if args.breakdown and nixl_anchor:  # the raw READ's steps beside them, back to back as they are
+            progress = None if raw_progress else agent.get_new_notifs
+            steps = _raw_steps_us(remote, nbytes, args.size_breakdown_count, progress)
+            row.setdefault("breakdown_us", {})["raw_nixl_read"] = steps
+            print(f"{size:5d} MiB: where the raw NIXL READ's time goes (us, p50 / p90):", flush=True)
+            for what, us in steps.items():
+                print(f"  {what:64s} {us['p50']:8.1f} {us['p90']:8.1f}", flush=True)
 
     if tcp is not None:
         tcp.close()
