@@ -410,12 +410,8 @@ def _raw_steps_us(remote, nbytes: int, count: int, progress=None) -> dict:
         marks = [sent, *stamps, answered]  # woken, built, posted, over, released in between
         spans = [*zip(RAW_STEPS, marks, marks[1:]), ("anchor: the whole READ, to its answer", sent, answered)]
         for what, start, end in spans:
-            steps.setdefault(what, []).append((end - start) * 1e6)
-    result = {}
-    for what, values in steps.items():
-        values.sort()
-        result[what] = {"p50": values[len(values) // 2], "p90": values[int(len(values) * 0.9)]}
-    return result
+            steps.setdefault(what, []).append(end - start)
+    return {what: _p50_p90_us(seconds) for what, seconds in steps.items()}
 
 
 def _raw_nixl_write(remote, agent, local, target, receiver_name: str) -> float:
@@ -447,6 +443,13 @@ def _raw_tcp(remote, tcp: socket.socket, payload: memoryview, nbytes: int) -> fl
 def _p50_p90_us(seconds: list[float]) -> dict:
     ordered = sorted(seconds)
     return {"p50": ordered[len(ordered) // 2] * 1e6, "p90": ordered[int(len(ordered) * 0.9)] * 1e6}
+
+
+def _print_steps(title: str, steps: dict) -> None:
+    """A breakdown's steps (``_breakdown_us``, ``_raw_steps_us``) under ``title``, p50 and p90."""
+    print(f"{title} (us, p50 / p90):", flush=True)
+    for what, us in steps.items():
+        print(f"  {what:64s} {us['p50']:8.1f} {us['p90']:8.1f}", flush=True)
 
 
 def _fixed_cost_us(remote, sender, address, shape, count: int, tag: str, gap_s: float = 0.0) -> dict:
@@ -674,12 +677,8 @@ def _breakdown_us(remote, sender, address, shape, count: int, tag: str, src_ids=
         t = {**theirs.get(rid, {}), **ours[rid]}
         for start, end, what in (*BREAKDOWN, *WHOLE):
             if start in t and end in t:
-                steps.setdefault(what, []).append((t[end] - t[start]) * 1e6)
-    result = {}
-    for what, values in steps.items():
-        values.sort()
-        result[what] = {"p50": values[len(values) // 2], "p90": values[int(len(values) * 0.9)]}
-    return result
+                steps.setdefault(what, []).append(t[end] - t[start])
+    return {what: _p50_p90_us(seconds) for what, seconds in steps.items()}
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -814,9 +813,7 @@ def run(args: argparse.Namespace) -> dict:
         if name.split("-")[0] not in ("nixl", "zmq"):
             continue
         breakdown[name] = _breakdown_us(remote, sender, address, shape, args.one_block_count, name)
-        print(f"where a one-block send's time goes, {name} (us, p50 / p90):", flush=True)
-        for what, us in breakdown[name].items():
-            print(f"  {what:64s} {us['p50']:8.1f} {us['p90']:8.1f}", flush=True)
+        _print_steps(f"where a one-block send's time goes, {name}", breakdown[name])
 
     tcp = None
     rows = []
@@ -952,16 +949,12 @@ def run(args: argparse.Namespace) -> dict:
                 key = f"{name}_{order}"
                 steps = _breakdown_us(remote, sender, address, shape, args.size_breakdown_count, key, ids)
                 row.setdefault("breakdown_us", {})[key] = steps
-                print(f"{size:5d} MiB: where a send's time goes, {name} {order} (us, p50 / p90):", flush=True)
-                for what, us in steps.items():
-                    print(f"  {what:64s} {us['p50']:8.1f} {us['p90']:8.1f}", flush=True)
+                _print_steps(f"{size:5d} MiB: where a send's time goes, {name} {order}", steps)
         if args.breakdown and nixl_anchor:  # the raw READ's steps beside them, back to back as they are
             progress = None if raw_progress else agent.get_new_notifs
             steps = _raw_steps_us(remote, nbytes, args.size_breakdown_count, progress)
             row.setdefault("breakdown_us", {})["raw_nixl_read"] = steps
-            print(f"{size:5d} MiB: where the raw NIXL READ's time goes (us, p50 / p90):", flush=True)
-            for what, us in steps.items():
-                print(f"  {what:64s} {us['p50']:8.1f} {us['p90']:8.1f}", flush=True)
+            _print_steps(f"{size:5d} MiB: where the raw NIXL READ's time goes", steps)
 
     if tcp is not None:
         tcp.close()
