@@ -24,6 +24,10 @@ PDSERVE_ALLOW_LONG_MAX_MODEL_LEN: bool = _flag("PDSERVE_ALLOW_LONG_MAX_MODEL_LEN
 PDSERVE_CHECK_INTEGRITY: bool = _flag("PDSERVE_CHECK_INTEGRITY")
 """Run BlockPool.check_integrity() after every engine step (slow; for debugging leaks)."""
 
+PDSERVE_NO_GC_FREEZE: bool = _flag("PDSERVE_NO_GC_FREEZE")
+"""Leave a started process's heap in the garbage collector's passes (``pdserve.gc_heap.freeze``):
+to compare its pauses, or to find what a frozen object kept alive."""
+
 PDSERVE_CLUSTER_TOKEN: str = os.environ.get("PDSERVE_CLUSTER_TOKEN", "")
 """The cluster token when --cluster-token is not given (keeps it out of `ps` and shell history)."""
 

@@ -353,8 +353,18 @@ class Count(Message):
     value: int
 
 
+class GcStats(Message):
+    """A process's cyclic-collector passes (``pdserve.gc_heap``): how many ran and the seconds they
+    took, by generation (0, 1, 2), and how many objects its start-up froze out of them."""
+
+    collections: list[int]
+    seconds: list[float]
+    frozen: int
+
+
 class CoreStats(Message):
-    """Core -> node: what ``LLMEngine.load`` says, and the KV bytes the transports moved."""
+    """Core -> node: what ``LLMEngine.load`` says, the KV bytes the transports moved, and the
+    core process's collector passes."""
 
     num_running: int
     num_waiting: int
@@ -367,6 +377,7 @@ class CoreStats(Message):
     num_prefix_hit_tokens: int
     num_jit_compiles: int
     transfer_bytes: int
+    gc: GcStats | None = None
 
 
 class CoreReply(Message):

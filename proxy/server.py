@@ -33,6 +33,7 @@ from typing import Any
 import uvicorn
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from pdserve import gc_heap
 from pdserve.proxy.app import RAW_SEND, Proxy, create_app
 from pdserve.proxy.config import ProxyConfig
 from pdserve.proxy.protocol import error_body
@@ -228,8 +229,10 @@ async def serve_async(
         serving = asyncio.ensure_future(server.serve(sockets))
         while not server.started and not serving.done():
             await asyncio.sleep(0.01)
-        if ready is not None and server.started:
-            ready()
+        if server.started:
+            gc_heap.freeze()  # started: the tokenizer, the app and the router stay for the process's life
+            if ready is not None:
+                ready()
         await serving
     finally:
         if publisher is not None:

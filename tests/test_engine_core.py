@@ -115,6 +115,9 @@ def test_the_engine_runs_in_a_child_process_and_serves_through_it(nodes):
     # Counters that live in the core reach the node's /metrics.
     assert _metric(node.url, "pdserve_prompt_tokens_computed_total") >= before + 30
     assert _metric(node.url, "pdserve_kv_blocks_free") == _metric(node.url, "pdserve_kv_blocks_total")
+    # Both processes froze their start-up heap out of the collector's passes (pdserve.gc_heap).
+    for process in ("core", "node"):
+        assert _metric(node.url, f'pdserve_gc_frozen_objects{{process="{process}"}}') > 10_000
 
 
 def test_every_reply_carries_the_node_s_load(nodes):

@@ -45,6 +45,7 @@ import time
 
 import torch
 
+from pdserve import gc_heap
 from pdserve.config import cpu_count
 from pdserve.kv_transfer.base import region_bytes
 
@@ -171,6 +172,7 @@ def _receiver(
     )
     receiver.register_kv_cache(kv)
     address = receiver.start(_info("bench-decode", shape), table, lambda commit: None)
+    gc_heap.freeze()  # as a decode node's engine core does once it has started
     raw = socket.socket()
     raw.bind(("127.0.0.1", 0))
     raw.listen(1)
@@ -773,6 +775,7 @@ def run(args: argparse.Namespace) -> dict:
         receiver_name = agent.add_remote_agent(receiver_metadata)
         mem = "VRAM" if cuda else "DRAM"
 
+    gc_heap.freeze()  # as a prefill node's engine core does once it has started
     # The fixed cost of a send, before any size: one block, send to ack, many times in a row; its
     # anchor first, the same thread hops and round trip with nothing else.
     raw_round_trip = _raw_round_trip_us(remote, args.one_block_count)

@@ -37,7 +37,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from pdserve import envs, kv_transfer
+from pdserve import envs, gc_heap, kv_transfer
 from pdserve.config import EngineConfig, NodeConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.outputs import RequestOutput
@@ -234,7 +234,8 @@ class CoreState:
 
     def _stats_call(self, msg: GetStats) -> CoreStats:
         # CoreStats carries EngineLoad's fields (the wire type may not import the engine's).
-        return CoreStats(**dataclasses.asdict(self.engine.load()), transfer_bytes=self.transfer_bytes)
+        load = dataclasses.asdict(self.engine.load())
+        return CoreStats(**load, transfer_bytes=self.transfer_bytes, gc=gc_heap.pauses())
 
     def _shutdown_call(self, msg: Shutdown) -> None:
         self.loop.stop()
@@ -406,6 +407,9 @@ def run_core(
         out.close()
         ctx.term()
         sys.exit(1)
+    # Started: the model, the cache and the services' state stay for the process's life.
+    gc_heap.freeze()
+    gc_heap.track()
     send(ready)
 
     def read() -> None:  # a thread of its own: the loop thread never waits on the socket
