@@ -462,19 +462,23 @@ class ControlSender(KVSender):
         """The connection to ``address`` that carries ``request_id``'s sends (the first one for
         anything else)."""
         with self._lock:
-            first = self._peers.get(address)
-            if first is None:
-                first = self._peers[address] = _Peer(self, address)
-            plane = self.planes.get(first.transport)
-            if not request_id or self.connections == 1 or plane is None or not plane.concurrent_sessions:
-                return first
-            lane = zlib.crc32(request_id.encode()) % self.connections
-            if lane == 0:
-                return first
-            more = self._more.setdefault(address, [])
-            while len(more) < lane:
-                more.append(_Peer(self, address))
-            return more[lane - 1]
+            return self._peer_locked(address, request_id)
+
+    def _peer_locked(self, address: str, request_id: str) -> _Peer:
+        """``_peer``, with ``_lock`` held."""
+        first = self._peers.get(address)
+        if first is None:
+            first = self._peers[address] = _Peer(self, address)
+        plane = self.planes.get(first.transport)
+        if not request_id or self.connections == 1 or plane is None or not plane.concurrent_sessions:
+            return first
+        lane = zlib.crc32(request_id.encode()) % self.connections
+        if lane == 0:
+            return first
+        more = self._more.setdefault(address, [])
+        while len(more) < lane:
+            more.append(_Peer(self, address))
+        return more[lane - 1]
 
     def renew(self, address: str, info: NodeInfo, request_ids: Sequence[str]) -> None:
         peer = self._peer(address)
@@ -523,10 +527,9 @@ class ControlSender(KVSender):
             raise KVTransferError(f"{len(src_block_ids)} source blocks for {len(dst_block_ids)} destinations")
         with self._lock:  # a request's later parts follow its first over the same connection
             peer = self._routed.pop(request_id, None) if commit is not None else self._routed.get(request_id)
-        if peer is None:
-            peer = self._peer(address, request_id)
-            if commit is None:
-                with self._lock:
+            if peer is None:
+                peer = self._peer_locked(address, request_id)
+                if commit is None:
                     self._routed[request_id] = peer
                     while len(self._routed) > self.ROUTED_MEMORY:  # requests dropped before their commit
                         self._routed.popitem(last=False)
