@@ -4,6 +4,7 @@ handshake refusals, lease and reservation rules, transport agreement, and the ab
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import multiprocessing as mp
 import os
@@ -696,6 +697,22 @@ def test_receiver_killed_fails_the_transfer_in_time(name):
         remote.kill()
 
 
+def _stop(pid: int) -> None:
+    """SIGSTOP ``pid`` and wait until every thread of it is stopped: the signal is delivered
+    asynchronously, and a thread still running could take the message sent next."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        states = []
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{task}/stat") as f:
+                states.append(f.read().rsplit(")", 1)[1].split()[0])
+        if states and all(state in "tT" for state in states):
+            return
+        time.sleep(0.001)
+    raise AssertionError(f"process {pid} did not stop")
+
+
 @pytest.mark.parametrize("name", ACROSS_PROCESSES)
 def test_receiver_that_stops_answering_times_out_and_recovers(name):
     remote = Remote(_serve, name)
@@ -706,7 +723,7 @@ def test_receiver_that_stops_answering_times_out_and_recovers(name):
     try:
         sender.handshake(address, info("prefill-0"), 10)
         remote.call("reserve", "stuck", [1, 2], 30)
-        os.kill(remote.proc.pid, signal.SIGSTOP)
+        _stop(remote.proc.pid)
         start = time.monotonic()
         with pytest.raises(KVTransferError, match="no reply|not accepting"):
             _send(sender, address, "stuck", [0, 1], [1, 2], timeout=1.0).result()
