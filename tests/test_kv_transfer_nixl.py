@@ -985,3 +985,54 @@ def test_the_read_setup_benchmark_times_both_ways_and_checks_the_bytes(tmp_path)
     assert [r["blocks"] for r in result["results"]] == [1, 4]
     ways = ("built", "prepared", "built_sleep0", "built_yield")
     assert all(r[f"{way}_median_us"] > 0 for r in result["results"] for way in ways)
+
+
+@nixl_only
+def test_kv_transfer_benchmark_nixl_dry_run(tmp_path):
+    """The kv_transfer benchmark over nixl on the CPU: the raw NIXL anchors answer on the receiver's
+    thread of their own, the warm anchor on its main thread, and both give every size a ratio; the
+    breakdown splits the data message's trip at the receiver's poll and says how many sends went
+    out on the caller's thread; the JSON records the options."""
+    import json
+
+    from pdserve.benchmarks import kv_transfer as bench
+
+    out = tmp_path / "kv.json"
+    bench.main(
+        [
+            "--dry-run",
+            "--device",
+            "cpu",
+            "--transports",
+            "nixl",
+            "--anchors",
+            "nixl",
+            "--raw-nixl-progress-thread",
+            "off",
+            "--one-block-count",
+            "20",
+            "--breakdown",
+            "--size-breakdown-count",
+            "5",
+            "--output",
+            str(out),
+        ]
+    )
+    result = json.loads(out.read_text())
+    assert result["nixl_progress_thread"] is False and result["raw_nixl_progress_thread"] is False
+    for row in result["results"]:
+        for anchor in ("raw_nixl_read", "raw_nixl_read_warm", "raw_nixl_read_2mib", "raw_nixl_write"):
+            assert row[f"{anchor}_gb_s"] > 0
+        assert row["ratio_nixl_to_raw_nixl_read"] == pytest.approx(
+            row["pdserve_nixl_gb_s"] / row["raw_nixl_read_gb_s"]
+        )
+        assert row["ratio_nixl_to_raw_nixl_read_warm_paired_median"] > 0
+        steps = row["breakdown_us"]["raw_nixl_read"]
+        assert steps["anchor: the whole READ, to its answer"]["p50"] > 0
+    steps = result["one_block_breakdown_us"]["nixl"]
+    wire = steps["wire: data message to the receiver's control thread"]["p50"]
+    to_poll = steps["  of it: to the return of the receiver's poll that saw it"]["p50"]
+    after_poll = steps["  of it: that poll's return to the plane's handle"]["p50"]
+    assert 0 < to_poll < wire and 0 < after_poll < wire
+    # Most, not all: a send may find the peer's thread still winding up the last one (2 cores).
+    assert steps["sends out on the caller's thread (%, not us)"]["p50"] > 50

@@ -34,6 +34,7 @@ import functools
 import itertools
 import json
 import multiprocessing as mp
+import multiprocessing.connection as mp_connection
 import os
 import platform
 import random
@@ -180,10 +181,12 @@ def _receiver(
     buf = torch.empty(raw_bytes, dtype=torch.uint8, device=device)
     nixl = None
     tcp = None
+    raw_lock = threading.Lock()  # the raw agent, used by this thread and the raw READ thread
     while True:
         # An anchor agent without its progress thread is progressed while waiting (as pdserve's are).
         while nixl is not None and not raw_progress_thread and not conn.poll(0.001):
-            nixl.get_new_notifs()
+            with raw_lock:
+                nixl.get_new_notifs()
         cmd = conn.recv()
         if cmd is None:
             break
@@ -236,28 +239,20 @@ def _receiver(
             nixl.register_memory(buf)
             remote_name = nixl.add_remote_agent(metadata)
             mem = "VRAM" if device.startswith("cuda") else "DRAM"
-            conn.send((nixl.get_agent_metadata(), buf.data_ptr(), max(buf.get_device(), 0)))
             nixl_remote = (remote_name, address_remote, dev, mem)
+            read = functools.partial(_raw_read, nixl, raw_lock, buf, nixl_remote)
+            # The same READs served by a thread that does nothing else, as pdserve's control thread
+            # serves only KV messages (this one also answers every other command of the benchmark).
+            listener = mp_connection.Listener(family="AF_UNIX")
+            threading.Thread(
+                target=_serve_raw_reads,
+                args=(listener, read, None if raw_progress_thread else nixl.get_new_notifs, raw_lock),
+                name="raw-nixl",
+                daemon=True,
+            ).start()
+            conn.send((nixl.get_agent_metadata(), buf.data_ptr(), max(buf.get_device(), 0), listener.address))
         elif kind in ("raw_nixl", "raw_nixl_steps"):  # steps: the time stamps of each, sent back too
-            nbytes, piece = arg
-            remote_name, address_remote, dev, mem = nixl_remote
-            start = time.perf_counter()
-            stamps = [start] if kind == "raw_nixl_steps" else None
-            here = max(buf.get_device(), 0)
-            if isinstance(piece, tuple):  # blocks 0..n-1 of a layer-major cache: one descriptor a layer
-                layers, src_blocks, n, slab = piece
-                local = [(buf.data_ptr() + i * n * slab, n * slab, here) for i in range(layers)]
-                source = [(address_remote + i * src_blocks * slab, n * slab, dev) for i in range(layers)]
-            else:
-                local = _pieces(buf.data_ptr(), nbytes, piece, here)
-                source = _pieces(address_remote, nbytes, piece, dev)
-            local = nixl.get_xfer_descs(local, mem)
-            remote = nixl.get_xfer_descs(source, mem)
-            state = _nixl_run(nixl, "READ", local, remote, remote_name, stamps)
-            if stamps is not None:
-                conn.send((state, stamps))
-                continue
-            conn.send((state, time.perf_counter() - start))  # the operation alone, timed here
+            conn.send(read(kind, arg))
         elif kind == "probe":  # start stamping (True), or stop and send the stamps back
             if arg:
                 probe = _Probe("receiver")
@@ -267,6 +262,48 @@ def _receiver(
         elif kind == "ping":
             conn.send("pong")
     receiver.close()
+
+
+def _raw_read(nixl, lock: threading.Lock, buf: torch.Tensor, nixl_remote: tuple, kind: str, arg) -> tuple:
+    """One raw READ into ``buf`` (a command ``raw_nixl`` or ``raw_nixl_steps``): its state and its
+    time alone here, or (steps) the time stamps of each of its steps."""
+    nbytes, piece = arg
+    remote_name, address_remote, dev, mem = nixl_remote
+    start = time.perf_counter()
+    stamps = [start] if kind == "raw_nixl_steps" else None
+    here = max(buf.get_device(), 0)
+    if isinstance(piece, tuple):  # blocks 0..n-1 of a layer-major cache: one descriptor a layer
+        layers, src_blocks, n, slab = piece
+        local = [(buf.data_ptr() + i * n * slab, n * slab, here) for i in range(layers)]
+        source = [(address_remote + i * src_blocks * slab, n * slab, dev) for i in range(layers)]
+    else:
+        local = _pieces(buf.data_ptr(), nbytes, piece, here)
+        source = _pieces(address_remote, nbytes, piece, dev)
+    with lock:
+        local = nixl.get_xfer_descs(local, mem)
+        remote = nixl.get_xfer_descs(source, mem)
+        state = _nixl_run(nixl, "READ", local, remote, remote_name, stamps)
+    if stamps is not None:
+        return state, stamps
+    return state, time.perf_counter() - start  # the operation alone, timed here
+
+
+def _serve_raw_reads(listener, read, progress, lock: threading.Lock) -> None:
+    """The raw NIXL anchors' thread: READs asked for on its own connection (and the ping after a
+    raw WRITE), nothing else, as pdserve's control thread serves only KV messages; ``progress``
+    (an agent without its progress thread) while it waits."""
+    conn = listener.accept()
+    while True:
+        while progress is not None and not conn.poll(0.001):
+            with lock:
+                progress()
+        try:
+            cmd = conn.recv()
+        except EOFError:
+            return
+        if cmd is None:
+            return
+        conn.send("pong" if cmd[0] == "ping" else read(*cmd))
 
 
 # -- sender process (this one) ---------------------------------------------------------------------
@@ -283,6 +320,15 @@ class _Remote:
         if not self.conn.poll(timeout):
             raise RuntimeError(f"the receiver did not answer {kind!r} in {timeout} s")
         return self.conn.recv()
+
+
+class _RawThread:
+    """The receiver's raw READ thread (``_serve_raw_reads``), asked on a connection of its own."""
+
+    def __init__(self, conn) -> None:
+        self.conn = conn
+
+    call = _Remote.call
 
 
 def _median(times: list[float]) -> float:
@@ -539,6 +585,9 @@ def _raw_round_trip_us(remote, count: int, gap_s: float = 0.0) -> dict:
 BREAKDOWN = (
     ("send", "data_out", "sender: KVSender.send to the data message (with the commit) going out"),
     ("data_out", "data_in", "wire: data message to the receiver's control thread"),
+    ("data_out", "woken", "  of it: to the return of the receiver's poll that saw it"),
+    ("woken", "data_in", "  of it: that poll's return to the plane's handle"),
+    ("data_out", "poll_in", "  the receiver entered that poll after the message left by"),
     ("data_in", "landed", "receiver: READ set up and ended / frames copied in"),
     ("landed", "ack_out", "receiver: commit (lease table, on_commit) and the ack out"),
     ("ack_out", "ack_in", "wire: ack to the sender's peer thread"),
@@ -561,6 +610,8 @@ class _Probe:
     that reach them (a microsecond or two each); ``close`` puts the methods back."""
 
     def __init__(self, side: str) -> None:
+        import zmq
+
         from pdserve.kv_transfer import control_receiver, control_sender, nixl_receiver, zmq_backend
         from pdserve.kv_transfer.messages import KVAck, KVCommit
 
@@ -581,11 +632,40 @@ class _Probe:
             self._wrap(host, "_commit", "ack_out", lambda a, r: a[0].request_id, at_exit=True)
             acked = lambda a, r: a[1].request_id if isinstance(a[1], KVAck) else None  # noqa: E731
             self._wrap(control_receiver._Outbox, "put", "ack_out", acked)
+            # Where the data message's trip goes: the receiver's control thread blocked in its poll
+            # when it came (``poll_in`` before ``data_out``) or busy then, and from the poll's
+            # return to the plane. The last poll before a plane's ``handle`` is the one that saw it.
+            poll, probe = zmq.Poller.poll, self
+            probe.last_poll = (0.0, 0.0)
+
+            def timed_poll(poller, timeout=None):
+                entered = time.perf_counter()
+                try:
+                    return poll(poller, timeout)
+                finally:
+                    probe.last_poll = (entered, time.perf_counter())
+
+            zmq.Poller.poll = timed_poll
+            self._undo.append((zmq.Poller, "poll", poll))
+            for plane in (nixl, zmq_):
+                handle = plane.__dict__["handle"]
+
+                def handled(plane_self, peer, msg, *rest, handle=handle):
+                    rid = data((peer, msg), None)
+                    if rid is not None and "woken" not in self.stamps.get(rid, ()):
+                        entered, woken = probe.last_poll
+                        self.stamps.setdefault(rid, {}).update(poll_in=entered, woken=woken)
+                    return handle(plane_self, peer, msg, *rest)
+
+                plane.handle = handled
+                self._undo.append((plane, "handle", handle))
         else:
             self._wrap(control_sender.ControlSender, "send", "send", lambda a, r: a[2])
             self._wrap(control_sender._Peer, "_do", "picked", self._job)
             # A send the engine's thread puts on the lane itself (``_Peer.submit``) goes out there.
             self._wrap(control_sender._Peer, "post", "direct", self._posted)
+            posted = lambda a, r: a[1] if r is not None else None  # noqa: E731
+            self._wrap(control_sender._Peer, "post", "posted", posted, at_exit=True)
             # The first message a job puts on the connection, as it starts (the thread may well be
             # preempted by the process it wakes before the call returns); not a lease renewal that
             # goes out ahead of it (``_Peer._renew_now``).
@@ -680,7 +760,12 @@ def _breakdown_us(remote, sender, address, shape, count: int, tag: str, src_ids=
         for start, end, what in (*BREAKDOWN, *WHOLE):
             if start in t and end in t:
                 steps.setdefault(what, []).append(t[end] - t[start])
-    return {what: _p50_p90_us(seconds) for what, seconds in steps.items()}
+    result = {what: _p50_p90_us(seconds) for what, seconds in steps.items()}
+    # Not a time: how many of the sends went out on the caller's thread (``_Peer.post``), the rest
+    # through the peer's thread (which was still finishing the last one, say).
+    share = 100 * sum("posted" in ours[rid] for rid in rids[10:]) / max(len(rids) - 10, 1)
+    result["sends out on the caller's thread (%, not us)"] = {"p50": share, "p90": share}
+    return result
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -771,8 +856,9 @@ def run(args: argparse.Namespace) -> dict:
         reply = remote.call(
             "nixl_init", (agent.get_agent_metadata(), flat.data_ptr(), max(flat.get_device(), 0))
         )
-        receiver_metadata, receiver_address, receiver_device = reply
+        receiver_metadata, receiver_address, receiver_device, raw_reads = reply
         receiver_name = agent.add_remote_agent(receiver_metadata)
+        raw_thread = _RawThread(mp_connection.Client(raw_reads, family="AF_UNIX"))
         mem = "VRAM" if cuda else "DRAM"
 
     gc_heap.freeze()  # as a prefill node's engine core does once it has started
@@ -855,13 +941,20 @@ def run(args: argparse.Namespace) -> dict:
             # READ by the receiver in one descriptor and in 2 MiB ones (a run of 32 blocks per layer
             # of Llama-3-8B), and WRITE by the sender (then a ping, so the receiver knows, as a READ's
             # reply tells the sender).
-            pieces = [("raw_nixl_read", 0), ("raw_nixl_read_2mib", 2 << 20)]
+            # Each asked of the receiver's raw anchor thread (``_serve_raw_reads``), which serves
+            # nothing else; raw_nixl_read_warm: the one-descriptor READ asked of the receiver's
+            # main thread instead, which also takes every reservation the benchmark makes (one
+            # right before each pdserve send), so that it is woken twice as often as any other
+            # thread and found awake: the anchor of the earlier sessions' runs, for comparison.
+            pieces = [("raw_nixl_read", 0, raw_thread), ("raw_nixl_read_2mib", 2 << 20, raw_thread)]
             if cuda:  # blocks 0..n-1 READ as out of a layer-major cache, raw: one descriptor a layer
-                pieces.append(("raw_nixl_read_layers", (shape[0], max_blocks, n, block_bytes // shape[0])))
-            for label, piece in pieces:
+                layers = (shape[0], max_blocks, n, block_bytes // shape[0])
+                pieces.append(("raw_nixl_read_layers", layers, raw_thread))
+            pieces.append(("raw_nixl_read_warm", 0, remote))
+            for label, piece, served_by in pieces:
                 runs[label] = functools.partial(
                     _raw_nixl_read,
-                    remote,
+                    served_by,
                     nbytes,
                     piece,
                     op_times.setdefault(label, []),
@@ -870,7 +963,7 @@ def run(args: argparse.Namespace) -> dict:
             local = agent.get_xfer_descs(_pieces(flat.data_ptr(), nbytes, 0, max(flat.get_device(), 0)), mem)
             target = agent.get_xfer_descs(_pieces(receiver_address, nbytes, 0, receiver_device), mem)
             runs["raw_nixl_write"] = functools.partial(
-                _raw_nixl_write, remote, agent, local, target, receiver_name
+                _raw_nixl_write, raw_thread, agent, local, target, receiver_name
             )
         if "copy" in anchors and cuda:  # one device copy of the same bytes (the same-GPU ceiling)
             scratch = torch.empty(nbytes, dtype=torch.uint8, device=send_dev)
@@ -914,6 +1007,7 @@ def run(args: argparse.Namespace) -> dict:
                 "raw_nccl",
                 "raw_gloo",
                 "raw_nixl_read",
+                "raw_nixl_read_warm",
                 "raw_nixl_read_op",
                 "raw_nixl_read_layers",
                 "raw_nixl_write",
@@ -943,6 +1037,15 @@ def run(args: argparse.Namespace) -> dict:
                 row[f"ratio_{name}_to_{anchor}_paired_median"] = ratio
                 paired.append(f"{name}_to_{anchor} {ratio:.2f}")
         print(f"{size:5d} MiB ratios (median of pairs from the same round): {', '.join(paired)}", flush=True)
+        if "raw_nixl_read_warm" in times and "pdserve_nixl" in times:
+            ratio = _paired_median(times["pdserve_nixl"], times["raw_nixl_read_warm"])
+            row["ratio_nixl_to_raw_nixl_read_warm_paired_median"] = ratio
+            print(
+                f"{size:5d} MiB nixl to raw_nixl_read_warm (the READ asked of the benchmark's busiest "
+                f"thread): best to best {row['ratio_nixl_to_raw_nixl_read_warm']:.2f}, "
+                f"median of pairs {ratio:.2f}",
+                flush=True,
+            )
         # Where a send of this size spends its time, in order and shuffled, the way each transport
         # picks for itself (what the fixed cost cannot tell: what grows with the blocks).
         for name, sender in senders.items() if args.breakdown else ():
@@ -954,13 +1057,15 @@ def run(args: argparse.Namespace) -> dict:
                 row.setdefault("breakdown_us", {})[key] = steps
                 _print_steps(f"{size:5d} MiB: where a send's time goes, {name} {order}", steps)
         if args.breakdown and nixl_anchor:  # the raw READ's steps beside them, back to back as they are
-            progress = None if raw_progress else agent.get_new_notifs
-            steps = _raw_steps_us(remote, nbytes, args.size_breakdown_count, progress)
+            notifs = None if raw_progress else agent.get_new_notifs
+            steps = _raw_steps_us(raw_thread, nbytes, args.size_breakdown_count, notifs)
             row.setdefault("breakdown_us", {})["raw_nixl_read"] = steps
             _print_steps(f"{size:5d} MiB: where the raw NIXL READ's time goes", steps)
 
     if tcp is not None:
         tcp.close()
+    if nixl_anchor:
+        raw_thread.conn.send(None)
     remote.conn.send(None)
     remote.proc.join(timeout=30)
     for sender in [*senders.values(), *forced.values()]:
@@ -1024,8 +1129,14 @@ def run(args: argparse.Namespace) -> dict:
         "raw_nccl (raw_gloo on the CPU): dist.send of one contiguous tensor until the receiver synced "
         "its recv; "
         "raw_nixl_read: one NIXL READ of one contiguous registered region, started by the receiver "
-        "at the sender's request and timed by the sender to the receiver's answer (over a "
-        "multiprocessing pipe); raw_nixl_read_op: the same READ timed inside the receiver, the "
+        "at the sender's request and timed by the sender to the receiver's answer (pickled, over a "
+        "Unix socket of its own), on a thread of the receiver that serves the raw NIXL anchors and "
+        "nothing else, as pdserve's control thread serves only KV messages (all raw_nixl_* but _warm "
+        "are asked of it); raw_nixl_read_warm: the same READ asked of the receiver's main thread "
+        "instead, over the benchmark's pipe, the thread that also takes every reservation (one right "
+        "before each pdserve send) and so is found awake more often than any other (the anchor of "
+        "the runs before session 23: on one H200, 16 MiB, 126 us best against 206 on its own thread "
+        "in the same run); raw_nixl_read_op: the warm READ timed inside the receiver, the "
         "operation alone; the raw anchors' agents run NIXL's progress thread (its default) unless "
         "raw_nixl_progress_thread is false, pdserve's only where nixl_progress_thread is true; "
         "(_2mib: the region in 2 MiB descriptors; _layers, on CUDA: blocks 0..n-1 READ as out of a "
