@@ -595,6 +595,15 @@ BREAKDOWN = (
 )
 """(from, to, what) stamps of one send: the processes share ``time.perf_counter`` (CLOCK_MONOTONIC)."""
 
+ON_ONE_THREAD = (
+    ("send", "data_out", "CPU of it on its thread: sender, send to the data message out"),
+    ("woken", "data_in", "CPU of it on its thread: receiver, poll's return to the plane"),
+    ("data_in", "landed", "CPU of it on its thread: receiver, READ set up and ended"),
+)
+"""Steps that run on one thread (a send put out on the caller's: ``_Peer.post``): the thread's CPU
+time over them beside their wall time says whether the thread ran slowly or waited (for the GIL,
+for a core)."""
+
 WHOLE = (
     ("send", "ack_out", "send to the commit on the receiver (what TTFT waits for)"),
     ("send", "outcome", "send to its outcome on the sender's peer thread (what is timed)"),
@@ -636,14 +645,14 @@ class _Probe:
             # when it came (``poll_in`` before ``data_out``) or busy then, and from the poll's
             # return to the plane. The last poll before a plane's ``handle`` is the one that saw it.
             poll, probe = zmq.Poller.poll, self
-            probe.last_poll = (0.0, 0.0)
+            probe.last_poll = (0.0, 0.0, 0.0)
 
             def timed_poll(poller, timeout=None):
                 entered = time.perf_counter()
                 try:
                     return poll(poller, timeout)
                 finally:
-                    probe.last_poll = (entered, time.perf_counter())
+                    probe.last_poll = (entered, time.perf_counter(), time.thread_time())
 
             zmq.Poller.poll = timed_poll
             self._undo.append((zmq.Poller, "poll", poll))
@@ -653,8 +662,10 @@ class _Probe:
                 def handled(plane_self, peer, msg, *rest, handle=handle):
                     rid = data((peer, msg), None)
                     if rid is not None and "woken" not in self.stamps.get(rid, ()):
-                        entered, woken = probe.last_poll
-                        self.stamps.setdefault(rid, {}).update(poll_in=entered, woken=woken)
+                        entered, woken, cpu = probe.last_poll
+                        self.stamps.setdefault(rid, {}).update(
+                            poll_in=entered, woken=woken, **{"woken@cpu": cpu}
+                        )
                     return handle(plane_self, peer, msg, *rest)
 
                 plane.handle = handled
@@ -699,10 +710,10 @@ class _Probe:
         stamps = self.stamps
 
         def stamp(args, result) -> None:
-            now = time.perf_counter()
+            now, cpu = time.perf_counter(), time.thread_time()
             rid = rid_of(args, result)
             if rid is not None and not (first and key in stamps.get(rid, ())):
-                stamps.setdefault(rid, {})[key] = now
+                stamps.setdefault(rid, {}).update({key: now, key + "@cpu": cpu})
 
         if isinstance(original, staticmethod):
             fn = original.__func__
@@ -760,6 +771,9 @@ def _breakdown_us(remote, sender, address, shape, count: int, tag: str, src_ids=
         for start, end, what in (*BREAKDOWN, *WHOLE):
             if start in t and end in t:
                 steps.setdefault(what, []).append(t[end] - t[start])
+        for start, end, what in ON_ONE_THREAD if "posted" in t else ():
+            if f"{start}@cpu" in t and f"{end}@cpu" in t:
+                steps.setdefault(what, []).append(t[f"{end}@cpu"] - t[f"{start}@cpu"])
     result = {what: _p50_p90_us(seconds) for what, seconds in steps.items()}
     # Not a time: how many of the sends went out on the caller's thread (``_Peer.post``), the rest
     # through the peer's thread (which was still finishing the last one, say).
