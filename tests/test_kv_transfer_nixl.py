@@ -1035,6 +1035,6 @@ def test_kv_transfer_benchmark_nixl_dry_run(tmp_path):
     after_poll = steps["  of it: that poll's return to the plane's handle"]["p50"]
     assert 0 < to_poll < wire and 0 < after_poll < wire
     # The thread's CPU time over a step of one thread, beside its wall time.
-    assert 0 < steps["CPU of it on its thread: receiver, poll's return to the plane"]["p50"]
+    assert steps["CPU of it on its thread: receiver, poll's return to the plane"]["p50"] > 0
     # Most, not all: a send may find the peer's thread still winding up the last one (2 cores).
     assert steps["sends out on the caller's thread (%, not us)"]["p50"] > 50
