@@ -434,7 +434,9 @@ _encoder = msgspec.msgpack.Encoder()
 _decoders: dict[int, tuple[Any, msgspec.msgpack.Decoder]] = {}
 """id(kind) -> (kind, its decoder): looked up by identity, not by the kind's hash, which a Union
 computes from its members at every call (~250 ns on the 2-core box, a third of decoding a KVReady).
-The entry holds the kind, so its id is never reused while the entry is there."""
+The entry holds the kind, so its id is never reused while the entry is there. Kinds are
+module-level classes and Union constants: a caller that built a new Union for every call would
+add an entry each time."""
 _decoders_lock = threading.Lock()
 """Decoders are made one at a time. msgspec (0.22, with the GIL) caches a Struct's type info on
 the class *before* it fills in the fields' types, and filling them runs Python code, where the
