@@ -166,3 +166,34 @@ def start_cluster(default_model_dir, tmp_path_factory):
     """The one way tests start a cluster: ``with start_cluster(flags, prefill_nodes=2) as c: ...``
     (in a module-scoped fixture, so a module's tests share it)."""
     return functools.partial(running_cluster, tmp_path_factory)
+
+
+@pytest.fixture
+def kv_benchmark(tmp_path):
+    """Runs the kv_transfer benchmark's dry run on the CPU with ``flags`` (transports, anchors...),
+    20 one-block sends and a breakdown of 5 sends a size; returns its JSON."""
+
+    def run(*flags: str) -> dict:
+        import json
+
+        from pdserve.benchmarks import kv_transfer as bench
+
+        out = tmp_path / "kv.json"
+        bench.main(
+            [
+                "--dry-run",
+                "--device",
+                "cpu",
+                *flags,
+                "--one-block-count",
+                "20",
+                "--breakdown",
+                "--size-breakdown-count",
+                "5",
+                "--output",
+                str(out),
+            ]
+        )
+        return json.loads(out.read_text())
+
+    return run

@@ -988,37 +988,12 @@ def test_the_read_setup_benchmark_times_both_ways_and_checks_the_bytes(tmp_path)
 
 
 @nixl_only
-def test_kv_transfer_benchmark_nixl_dry_run(tmp_path):
+def test_kv_transfer_benchmark_nixl_dry_run(kv_benchmark):
     """The kv_transfer benchmark over nixl on the CPU: the raw NIXL anchors answer on the receiver's
     thread of their own, the warm anchor on its main thread, and both give every size a ratio; the
     breakdown splits the data message's trip at the receiver's poll and says how many sends went
     out on the caller's thread; the JSON records the options."""
-    import json
-
-    from pdserve.benchmarks import kv_transfer as bench
-
-    out = tmp_path / "kv.json"
-    bench.main(
-        [
-            "--dry-run",
-            "--device",
-            "cpu",
-            "--transports",
-            "nixl",
-            "--anchors",
-            "nixl",
-            "--raw-nixl-progress-thread",
-            "off",
-            "--one-block-count",
-            "20",
-            "--breakdown",
-            "--size-breakdown-count",
-            "5",
-            "--output",
-            str(out),
-        ]
-    )
-    result = json.loads(out.read_text())
+    result = kv_benchmark("--transports", "nixl", "--anchors", "nixl", "--raw-nixl-progress-thread", "off")
     assert result["nixl_progress_thread"] is False and result["raw_nixl_progress_thread"] is False
     for row in result["results"]:
         for anchor in ("raw_nixl_read", "raw_nixl_read_warm", "raw_nixl_read_2mib", "raw_nixl_write"):

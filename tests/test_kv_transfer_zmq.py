@@ -485,29 +485,11 @@ def test_a_staging_buffer_still_on_the_wire_is_never_gathered_into():
     assert bool((session._buffers[0][0].view(torch.float32) == 7.0).all())
 
 
-def test_kv_transfer_benchmark_dry_run(tmp_path):
+def test_kv_transfer_benchmark_dry_run(kv_benchmark):
     """The kv_transfer benchmark end to end on the CPU (zmq against raw TCP, small sizes): every
     size has its figures and ratio, the one-block sends their fixed cost, and the breakdown times
     a send to its outcome on the sender's peer thread, which comes before the caller's wake-up."""
-    import json
-
-    from pdserve.benchmarks import kv_transfer as bench
-
-    out = tmp_path / "kv.json"
-    flags = ["--dry-run", "--device", "cpu", "--transports", "zmq", "--anchors", "tcp"]
-    bench.main(
-        [
-            *flags,
-            "--one-block-count",
-            "20",
-            "--breakdown",
-            "--size-breakdown-count",
-            "5",
-            "--output",
-            str(out),
-        ]
-    )
-    result = json.loads(out.read_text())
+    result = kv_benchmark("--transports", "zmq", "--anchors", "tcp")
     assert [r["mib"] for r in result["results"]] == [4, 16]
     for row in result["results"]:
         assert row["pdserve_zmq_gb_s"] > 0 and row["raw_tcp_gb_s"] > 0

@@ -241,8 +241,8 @@ def _receiver(
             mem = "VRAM" if device.startswith("cuda") else "DRAM"
             nixl_remote = (remote_name, address_remote, dev, mem)
             read = functools.partial(_raw_read, nixl, raw_lock, buf, nixl_remote)
-            # The same READs served by a thread that does nothing else, as pdserve's control thread
-            # serves only KV messages (this one also answers every other command of the benchmark).
+            # The raw NIXL anchors are asked of a thread that does nothing else, as pdserve's control
+            # thread serves only KV messages (this one answers every other command of the benchmark).
             listener = mp_connection.Listener(family="AF_UNIX")
             threading.Thread(
                 target=_serve_raw_reads,
@@ -293,6 +293,7 @@ def _serve_raw_reads(listener, read, progress, lock: threading.Lock) -> None:
     raw WRITE), nothing else, as pdserve's control thread serves only KV messages; ``progress``
     (an agent without its progress thread) while it waits."""
     conn = listener.accept()
+    listener.close()  # one connection, the sender's
     while True:
         while progress is not None and not conn.poll(0.001):
             with lock:
@@ -309,11 +310,12 @@ def _serve_raw_reads(listener, read, progress, lock: threading.Lock) -> None:
 # -- sender process (this one) ---------------------------------------------------------------------
 
 
-class _Remote:
-    def __init__(self, ctx, args) -> None:
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_receiver, args=(child, *args), daemon=True)
-        self.proc.start()
+class _Asked:
+    """A thread of the receiver process, asked on a connection of its own: the raw NIXL anchors'
+    thread (``_serve_raw_reads``), or the main one (``_Remote``)."""
+
+    def __init__(self, conn) -> None:
+        self.conn = conn
 
     def call(self, kind: str, arg=None, timeout: float = 300):
         self.conn.send((kind, arg))
@@ -322,13 +324,14 @@ class _Remote:
         return self.conn.recv()
 
 
-class _RawThread:
-    """The receiver's raw READ thread (``_serve_raw_reads``), asked on a connection of its own."""
+class _Remote(_Asked):
+    """The receiver process, through its main thread."""
 
-    def __init__(self, conn) -> None:
-        self.conn = conn
-
-    call = _Remote.call
+    def __init__(self, ctx, args) -> None:
+        conn, child = ctx.Pipe()
+        super().__init__(conn)
+        self.proc = ctx.Process(target=_receiver, args=(child, *args), daemon=True)
+        self.proc.start()
 
 
 def _median(times: list[float]) -> float:
@@ -872,7 +875,7 @@ def run(args: argparse.Namespace) -> dict:
         )
         receiver_metadata, receiver_address, receiver_device, raw_reads = reply
         receiver_name = agent.add_remote_agent(receiver_metadata)
-        raw_thread = _RawThread(mp_connection.Client(raw_reads, family="AF_UNIX"))
+        raw_thread = _Asked(mp_connection.Client(raw_reads, family="AF_UNIX"))
         mem = "VRAM" if cuda else "DRAM"
 
     gc_heap.freeze()  # as a prefill node's engine core does once it has started
