@@ -12,6 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
+# Installs pdserve's finder before any test imports transformers: with the checkout's root on
+# sys.path (``python -m pytest`` run in it), its kernels/ would shadow Hugging Face's ``kernels``.
+import pdserve  # noqa: F401
+
 if not torch.cuda.is_available():
     # Triton decides interpreter or compiler when a kernel is defined: set it before any import.
     os.environ.setdefault("TRITON_INTERPRET", "1")
