@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import socket
 import threading
 import time
@@ -509,6 +510,21 @@ def test_the_paired_ratio_pairs_runs_of_the_same_round_and_leaves_out_the_warm_u
     anchor = [1.0, 1.0, 2.0, 4.0]
     assert _paired_median(ours, anchor) == 0.5  # every round's pair: 0.5; best to best would be 1/2 too
     assert _paired_median([9.0, 1.0, 4.0, 4.0], [1.0, 1.0, 1.0, 4.0]) == 1.0  # pairs 1, 0.25, 1
+
+
+def test_the_paired_ratios_interval_holds_the_median_and_narrows_with_more_rounds():
+    from pdserve.benchmarks.kv_transfer import _paired_median, _paired_median_interval
+
+    draw = random.Random(7)
+    widths = []
+    for rounds in (30, 300):
+        anchor = [1.0 + draw.random() for _ in range(rounds + 1)]
+        ours = [a / (0.9 + 0.2 * draw.random()) for a in anchor]  # ratios spread over [0.9, 1.1]
+        low, high = _paired_median_interval(ours, anchor)
+        assert 0.9 <= low <= _paired_median(ours, anchor) <= high <= 1.1
+        assert _paired_median_interval(ours, anchor) == (low, high)  # seeded: the same run, the same figures
+        widths.append(high - low)
+    assert widths[1] < widths[0] / 2
 
 
 # -- payloads on the lane (``kv_transfer.lane``: raw bytes after their header) ------------------------

@@ -355,6 +355,17 @@ def _paired_median(ours: list[float], anchor: list[float]) -> float:
     return pairs[len(pairs) // 2]
 
 
+def _paired_median_interval(
+    ours: list[float], anchor: list[float], resamples: int = 2000
+) -> tuple[float, float]:
+    """A 95 % interval of ``_paired_median`` (percentile bootstrap over the rounds, seeded): how far
+    the run's figure may sit from the typical ratio by the luck of its rounds alone."""
+    pairs = [a / o for o, a in zip(ours[1:], anchor[1:])]
+    draw = random.Random(len(pairs))
+    medians = sorted(sorted(draw.choices(pairs, k=len(pairs)))[len(pairs) // 2] for _ in range(resamples))
+    return medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
+
+
 def _stamped_send(
     sender, address, info, rid: str, src_ids, dst_ids, timeout: float
 ) -> tuple[float, float, float]:
@@ -622,7 +633,6 @@ class _Probe:
     that reach them (a microsecond or two each); ``close`` puts the methods back."""
 
     def __init__(self, side: str) -> None:
-        import zmq
 
         from pdserve.kv_transfer import control_receiver, control_sender, nixl_receiver, zmq_backend
         from pdserve.kv_transfer.messages import KVAck, KVCommit
@@ -644,21 +654,21 @@ class _Probe:
             self._wrap(host, "_commit", "ack_out", lambda a, r: a[0].request_id, at_exit=True)
             acked = lambda a, r: a[1].request_id if isinstance(a[1], KVAck) else None  # noqa: E731
             self._wrap(control_receiver._Outbox, "put", "ack_out", acked)
-            # Where the data message's trip goes: the receiver's control thread blocked in its poll
-            # when it came (``poll_in`` before ``data_out``) or busy then, and from the poll's
-            # return to the plane. The last poll before a plane's ``handle`` is the one that saw it.
-            poll, probe = zmq.Poller.poll, self
+            # Where the data message's trip goes: the receiver's control thread blocked in its wait
+            # when it came (``poll_in`` before ``data_out``) or busy then, and from the wait's
+            # return to the plane. The last wait before a plane's ``handle`` is the one that saw it.
+            wait, probe = host.__dict__["_wait"], self
             probe.last_poll = (0.0, 0.0, 0.0)
 
-            def timed_poll(poller, timeout=None):
+            def timed_wait(receiver, timeout_s):
                 entered = time.perf_counter()
                 try:
-                    return poll(poller, timeout)
+                    return wait(receiver, timeout_s)
                 finally:
                     probe.last_poll = (entered, time.perf_counter(), time.thread_time())
 
-            zmq.Poller.poll = timed_poll
-            self._undo.append((zmq.Poller, "poll", poll))
+            host._wait = timed_wait
+            self._undo.append((host, "_wait", wait))
             for plane in (nixl, zmq_):
                 handle = plane.__dict__["handle"]
 
@@ -1051,9 +1061,16 @@ def run(args: argparse.Namespace) -> dict:
             anchor = own.get(name.split("_")[0], "")
             if anchor in times and f"pdserve_{name}" in times:
                 ratio = _paired_median(times[f"pdserve_{name}"], times[anchor])
+                low, high = _paired_median_interval(times[f"pdserve_{name}"], times[anchor])
                 row[f"ratio_{name}_to_{anchor}_paired_median"] = ratio
-                paired.append(f"{name}_to_{anchor} {ratio:.2f}")
-        print(f"{size:5d} MiB ratios (median of pairs from the same round): {', '.join(paired)}", flush=True)
+                row[f"ratio_{name}_to_{anchor}_paired_median_95"] = [low, high]
+                paired.append(f"{name}_to_{anchor} {ratio:.2f} [{low:.2f}, {high:.2f}]")
+        print(
+            f"{size:5d} MiB ratios (median of pairs from the same round, 95 % interval): {', '.join(paired)}",
+            flush=True,
+        )
+        if args.keep_samples:  # every timed run, for a reading of the distributions
+            row["samples_us"] = {key: [round(t * 1e6, 1) for t in taken[1:]] for key, taken in times.items()}
         if "raw_nixl_read_warm" in times and "pdserve_nixl" in times:
             ratio = _paired_median(times["pdserve_nixl"], times["raw_nixl_read_warm"])
             row["ratio_nixl_to_raw_nixl_read_warm_paired_median"] = ratio
@@ -1298,6 +1315,11 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
         default="local",
         help="sessions' lanes: through the receiver's Unix socket, as on one host (local), or its TCP "
         "port, as from another host (tcp: raw_tcp's path)",
+    )
+    p.add_argument(
+        "--keep-samples",
+        action="store_true",
+        help="write every timed run of each size into the JSON (results[].samples_us), not only the figures",
     )
     p.add_argument("--dry-run", action="store_true", help="small sizes, one repeat, output to a temp file")
     p.add_argument("--output", default="", help="default docs/benchmarks/kv_transfer_<cpu|gpu>.json")
