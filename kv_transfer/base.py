@@ -152,9 +152,10 @@ class ReservationTable:
             r.error = "lease expired before the KV arrived"
         elif not 0 <= layer_start < layer_end <= self.num_layers:
             r.error = f"layer range [{layer_start}, {layer_end}) outside [0, {self.num_layers})"
-        elif not block_ids or (not _same(block_ids, r.block_ids) and not set(block_ids) <= r.allowed):
-            # (A send of the whole reservation in its order, the usual one, is compared in C.)
-            r.error = f"block ids {list(block_ids)[:8]} are not all reserved for {request_id!r}"
+        elif not block_ids or not (_same(block_ids, r.block_ids) or _distinct_within(block_ids, r.allowed)):
+            # (A send of the whole reservation in its order, the usual one, is compared in C; its
+            # ids are the engine's, distinct and inside the cache, which receivers need not check.)
+            r.error = f"block ids {list(block_ids)[:8]} are not all reserved for {request_id!r}, or repeat"
         else:
             return ""
         return r.error
@@ -525,6 +526,12 @@ def num_regions(
 def slab_bytes(kv: torch.Tensor) -> int:
     """Bytes of one (layer, block) slab ``[2, BS, Hkv, D]`` of a cache ``[L, NB, 2, BS, Hkv, D]``."""
     return kv[0, 0].numel() * kv.element_size()
+
+
+def _distinct_within(block_ids: Sequence[int], allowed: frozenset[int]) -> bool:
+    """``block_ids`` are distinct and each one of ``allowed``."""
+    ids = set(block_ids)
+    return len(ids) == len(block_ids) and ids <= allowed
 
 
 def _same(block_ids: Sequence[int], reserved: list[int]) -> bool:

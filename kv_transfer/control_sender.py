@@ -193,7 +193,9 @@ class _Peer(ControlLink):
             ):
                 return None
             started = time.monotonic()
-            src, dst = list(src_block_ids), list(dst_block_ids)
+            # The message is encoded before this returns: the caller's lists serve as they are.
+            src = src_block_ids if type(src_block_ids) is list else list(src_block_ids)
+            dst = dst_block_ids if type(dst_block_ids) is list else list(dst_block_ids)
             error = None
             self._posting = True
             try:

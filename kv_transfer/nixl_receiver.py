@@ -104,6 +104,7 @@ class _Remote:
     stage_address: int = 0
     stage_bytes: int = 0  # 0: it packs nothing
     units: object = None  # its cache as a prepared descriptor list of units (``_unit_array``)
+    by_index: bool = False  # both caches' units prepared and laid out alike (``_unit_indices``)
 
 
 @dataclass(slots=True)
@@ -191,6 +192,11 @@ class NixlReceiverPlane(CacheEnd, ReceiverPlane):
             remote = _Remote(name, address, num_blocks, device, offer.mem, layout, stage_address, stage_bytes)
             self.agent.make_connection(name)  # now, rather than at the first READ
             remote.units = _prepared(self.agent, name, _unit_array(address, layout, device), offer.mem)
+            remote.by_index = (
+                self._units is not None
+                and remote.units is not None
+                and layout.block_major == self.layout.block_major
+            )
             self._remotes[offer.agent] = remote
         self._sessions[peer] = remote
         accept = NixlAccept(agent=self.agent.name, metadata=self.agent.get_agent_metadata(), gpu=self.gpu)
@@ -335,8 +341,8 @@ class NixlReceiverPlane(CacheEnd, ReceiverPlane):
             return "KVReady on a connection without a nixl session"
         if not math.isfinite(msg.timeout_s):
             return f"KVReady with a timeout of {msg.timeout_s}"
-        if not valid_block_ids(msg.dst_block_ids, self.num_blocks):
-            return "KVReady names invalid or repeated block ids"
+        # The destination blocks: the reservation table's ``begin`` refuses any not reserved for the
+        # request, or named twice.
         if not 0 <= msg.layer_start < msg.layer_end <= self.num_layers:
             return f"KVReady names layers [{msg.layer_start}, {msg.layer_end}) of {self.num_layers}"
         if msg.src_offset >= 0:
@@ -419,19 +425,19 @@ class NixlReceiverPlane(CacheEnd, ReceiverPlane):
         every layer, and its blocks scattered (no two consecutive in both caches: one descriptor per
         unit either way) or, block-major, at most ``prepared_max_blocks`` of them; None otherwise
         (``coalesce`` then builds its list)."""
-        layout, l0, l1 = self.layout, msg.layer_start, msg.layer_end
-        if (
-            self._units is None
-            or remote.units is None
-            or remote.layout.block_major != layout.block_major
-            or (layout.block_major and not layout.whole(l0, l1))
-        ):
+        if not remote.by_index:
             return None
-        few = layout.block_major and len(msg.dst_block_ids) <= self.options.prepared_max_blocks
-        if not few and not _scattered(msg.src_block_ids, msg.dst_block_ids):
+        l0, l1 = msg.layer_start, msg.layer_end
+        if self.layout.block_major:
+            if l0 or l1 != self.num_layers:
+                return None
+            if len(msg.dst_block_ids) > self.options.prepared_max_blocks and not _scattered(
+                msg.src_block_ids, msg.dst_block_ids
+            ):
+                return None
+            return msg.dst_block_ids, msg.src_block_ids  # the message's own lists (NIXL copies them)
+        if not _scattered(msg.src_block_ids, msg.dst_block_ids):
             return None
-        if layout.block_major:  # the message's own lists (NIXL copies them into the request)
-            return msg.dst_block_ids, msg.src_block_ids
         local = _slab_indices(msg.dst_block_ids, l0, l1, self.num_blocks)
         return local, _slab_indices(msg.src_block_ids, l0, l1, remote.num_blocks)
 
@@ -446,6 +452,16 @@ class NixlReceiverPlane(CacheEnd, ReceiverPlane):
             self._end(read.peer, read.msg, read.slot, "")
             return True
         state = read.seen or self.agent.check_xfer_state(read.handle)
+        if state == "DONE" and read.slot < 0 and time.monotonic() <= read.deadline:
+            # Landed in place, in time: unpinned, committed and acked first; the handle, which reads
+            # nothing any more, is given back after that, off the ack's path.
+            self.bytes_received += read.nbytes
+            self._end(read.peer, read.msg, -1, "")
+            try:
+                read.handle.release()
+            except Exception as e:
+                logger.warning("releasing a finished NIXL READ for %s failed: %s", read.msg.request_id, e)
+            return True
         if state == "PROC" and time.monotonic() < read.deadline:
             return False
         try:
@@ -507,6 +523,9 @@ class NixlReceiverPlane(CacheEnd, ReceiverPlane):
         """The commit waiting for ``msg``'s request (peer, commit) when this is its last READ: none
         other running (``_inflight`` may still hold this one) or waiting for a slot; else None."""
         rid = msg.request_id
+        if len(self._commits) == 1 and len(self._inflight) <= 1 and not self._waiting:  # the usual send
+            commit = self._commits[0]
+            return commit if commit[0] == peer and commit[1].request_id == rid else None
         commit = next((c for c in self._commits if c[0] == peer and c[1].request_id == rid), None)
         if commit is None or any(
             r.msg is not msg and r.peer == peer and r.msg.request_id == rid for r in self._inflight
