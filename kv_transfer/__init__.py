@@ -55,7 +55,8 @@ moves the blocks on its own data plane, behind the typed interfaces of ``plane``
 
 Each is configured by its own options object (``ZmqOptions``, ``NixlOptions`` with its
 ``StagingOptions``, ``NcclOptions``, ``SimOptions``: frozen dataclasses whose defaults are the tuned values),
-passed to ``create_sender``/``create_receiver`` (a node passes none: the defaults); nothing
+passed to ``create_sender``/``create_receiver`` (a node passes those its ``--kv-transfer-config``
+names, ``options_from_config``, and the defaults for the rest); nothing
 rewrites a module's globals. Every message on the connection lives in ``messages``. Adding a
 transport means one new file (``<name>_backend.py``: its options, its two planes, a
 ``TransportPlugin``; nixl's, the largest, keeps them in three modules beside it) and one entry in
@@ -65,7 +66,8 @@ wire, if it needs any).
 Modules: ``base`` (the two halves' interfaces, ``ReservationTable``, the caches' ``KVLayout`` and
 the regions a send moves, block helpers), ``control`` (the control host's protocol) with its two
 ends ``control_sender`` (``ControlSender``) and ``control_receiver`` (``ControlReceiver``),
-``plane`` (the plane interfaces and ``TransportPlugin``), ``messages``, ``zmq_backend``,
+``plane`` (the plane interfaces and ``TransportPlugin``), ``options`` (options from a config's plain
+values, and their range checks), ``messages``, ``zmq_backend``,
 ``nixl_backend`` (``nixl_common``, ``nixl_receiver``, ``nixl_sender``; with ``staging``, its packing
 slots) and ``nccl_backend``.
 
@@ -78,9 +80,11 @@ available on a host with CUDA, and zmq alone on a CPU-only host, where zmq is th
 """
 
 import functools
+import json
+import logging
 from collections.abc import Sequence
 
-from pdserve.kv_transfer import nccl_backend, nixl_backend, sim_backend, zmq_backend
+from pdserve.kv_transfer import nccl_backend, nixl_backend, options, sim_backend, zmq_backend
 from pdserve.kv_transfer.base import (
     KVHandshakeRefused,
     KVReceiver,
@@ -121,6 +125,7 @@ __all__ = [
     "check_compatible",
     "create_receiver",
     "create_sender",
+    "options_from_config",
     "resolve_transport",
     "transport_preferences",
 ]
@@ -135,6 +140,8 @@ REGISTRY: dict[str, TransportPlugin] = {
 ``in_auto``)."""
 
 TRANSPORTS = tuple(REGISTRY)
+
+logger = logging.getLogger(__name__)
 
 
 def _cuda() -> bool:
@@ -182,9 +189,39 @@ def resolve_transport(name: str) -> str:
     return transport_preferences(name)[0]
 
 
-def _plugins(name: str, options: Sequence[object]) -> list[tuple[TransportPlugin, object]]:
+def options_from_config(config: str) -> tuple[object, ...]:
+    """A node's ``--kv-transfer-config``: a JSON object of option objects by transport, e.g.
+    ``{"nixl": {"ucx_net_devices": "mlx5_0:1", "staging": {"num_slots": 2}}, "zmq":
+    {"max_frame_bytes": 4194304}}``, as each transport's options (``NixlOptions``, ...: the fields
+    named, the defaults for the rest); "" gives none (every transport's defaults). Raises ValueError
+    naming the transport and field of anything it cannot take: an unknown transport or field, a
+    value of the wrong type or out of range. The sim transport's options are the simulated engine's
+    (its calibrated link), not set here."""
+    if not config.strip():
+        return ()
+    try:
+        values = json.loads(config)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--kv-transfer-config is not JSON: {e}") from None
+    if not isinstance(values, dict):
+        raise ValueError(f"--kv-transfer-config must be a JSON object by transport, got {config!r}")
+    settable = [name for name, plugin in REGISTRY.items() if plugin.in_auto]
+    unknown = [name for name in values if name not in settable]
+    if unknown:
+        raise ValueError(
+            f"--kv-transfer-config names {', '.join(map(repr, unknown))}: options are given for "
+            f"{', '.join(settable)} (a simulated engine sets the sim transport's)"
+        )
+    return tuple(
+        options.from_mapping(REGISTRY[name].options, given, f"--kv-transfer-config {name}")
+        for name, given in values.items()
+    )
+
+
+def _plugins(name: str, options: Sequence[object], side: str) -> list[tuple[TransportPlugin, object]]:
     """The plugins ``name`` selects, in order of preference, each with its options object from
-    ``options`` (matched by type; the defaults where none is given)."""
+    ``options`` (matched by type; the defaults where none is given); logs those that are not the
+    defaults (what a node's ``--kv-transfer-config`` set), for the ``side`` they configure."""
     known = tuple(plugin.options for plugin in REGISTRY.values())
     stray = [type(o).__name__ for o in options if not isinstance(o, known)]
     if stray:
@@ -194,6 +231,8 @@ def _plugins(name: str, options: Sequence[object]) -> list[tuple[TransportPlugin
         plugin = REGISTRY[transport]
         given = [o for o in options if isinstance(o, plugin.options)]
         chosen.append((plugin, given[-1] if given else plugin.options()))
+        if given and given[-1] != plugin.options():
+            logger.info("KV %s: %s with %r", side, transport, given[-1])
     return chosen
 
 
@@ -208,7 +247,7 @@ def create_receiver(
     """A decode-side receiver accepting ``name``'s transports (see ``transport_preferences``),
     each configured by its options object in ``options`` (defaults for the others), taking lanes
     on ``lane_port`` (0: a free port)."""
-    planes = [plugin.receiver_plane(opts) for plugin, opts in _plugins(name, options)]
+    planes = [plugin.receiver_plane(opts) for plugin, opts in _plugins(name, options, "receiver")]
     return ControlReceiver(planes, host, port, cluster_token, lane_port)
 
 
@@ -218,5 +257,5 @@ def create_sender(
     """A prefill-side sender offering ``name``'s transports in order (see ``transport_preferences``),
     each configured by its options object in ``options`` (defaults for the others), over
     ``connections`` connections to each peer (``ControlSender``)."""
-    planes = [plugin.sender_plane(opts) for plugin, opts in _plugins(name, options)]
+    planes = [plugin.sender_plane(opts) for plugin, opts in _plugins(name, options, "sender")]
     return ControlSender(planes, cluster_token, connections)

@@ -82,6 +82,7 @@ from pdserve.kv_transfer.base import (
     valid_block_ids,
 )
 from pdserve.kv_transfer.messages import KVAck, KVCommit, KVSend, KVSetup, KVSetupReply, NcclAccept, NcclOffer
+from pdserve.kv_transfer.options import require
 from pdserve.kv_transfer.plane import (
     ControlLink,
     Outbox,
@@ -117,6 +118,13 @@ class NcclOptions:
     thread's ``ReservationTable.release`` waits for a pinned reservation."""
     connect_s: float = 30.0
     """How long the decode node's rendezvous with a new sender may take (gloo's)."""
+
+    def __post_init__(self) -> None:
+        require(
+            self,
+            positive=("chunk_bytes", "recv_timeout_s", "direct_recv_timeout_s", "connect_s"),
+            non_negative=("direct_min_run_bytes",),
+        )
 
 
 OP_TIMEOUT = datetime.timedelta(hours=1)

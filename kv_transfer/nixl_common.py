@@ -14,6 +14,7 @@ import torch
 
 from pdserve import envs
 from pdserve.kv_transfer.base import KVLayout, region_bytes, slab_bytes
+from pdserve.kv_transfer.options import require
 from pdserve.kv_transfer.staging import StagePool, StagingOptions
 
 
@@ -72,6 +73,13 @@ class NixlOptions:
     it waits (``kv_transfer.nixl_backend``); idle, the thread costs ~40% of a core, and on one H100
     (P and D processes on it) it made no send faster: nixl at 16 / 64 / 256 MiB 58-74 / 206-307 /
     453-593 GB/s with it, 65-92 / 224-297 / 522-673 without (``kv_s17_prog_*``)."""
+
+    def __post_init__(self) -> None:
+        require(
+            self,
+            positive=("max_read_s", "layer_chunk_bytes"),
+            non_negative=("max_desc_bytes", "prepared_max_blocks", "descriptors_per_piece", "settle_spin_s"),
+        )
 
 
 NIXL_BUILDS = ("nixl_cu13", "nixl_cu12")

@@ -23,6 +23,7 @@ import torch
 
 from pdserve.kv_transfer.base import Staged
 from pdserve.kv_transfer.messages import KVBlocks, KVCommit, KVSetup, KVSetupReply
+from pdserve.kv_transfer.options import require
 from pdserve.kv_transfer.plane import ControlLink, TransportPlugin
 from pdserve.kv_transfer.zmq_backend import ZmqReceiverPlane, ZmqSenderPlane, ZmqSession
 
@@ -35,6 +36,9 @@ class SimOptions:
     """The modelled link's bandwidth in GB/s; 0: no modelled time (the payload's own alone)."""
     bytes_per_block: int = 0
     """Bytes of one KV block of the simulated model (all layers), what the link would move."""
+
+    def __post_init__(self) -> None:
+        require(self, non_negative=("latency_s", "gbps", "bytes_per_block"))
 
     def seconds(self, num_blocks: int) -> float:
         if self.gbps <= 0:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.kv_transfer.base import layer_chunks
+from pdserve.kv_transfer.options import require
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,9 @@ class StagingOptions:
 
     num_slots: int = 4
     slot_bytes: int = 64 << 20
+
+    def __post_init__(self) -> None:
+        require(self, positive=("num_slots", "slot_bytes"))
 
 
 class StagePool:

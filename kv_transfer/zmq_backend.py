@@ -80,6 +80,7 @@ from pdserve.kv_transfer.base import (
     valid_block_ids,
 )
 from pdserve.kv_transfer.messages import KVBlocks, KVCommit, KVSetup, KVSetupReply
+from pdserve.kv_transfer.options import require
 from pdserve.kv_transfer.plane import (
     ControlLink,
     Landing,
@@ -113,6 +114,11 @@ class ZmqOptions:
     """A CPU cache's blocks are sent in place, one frame per (layer, run), when their runs
     (consecutive in both caches) average at least this many bytes per layer; shorter runs are
     gathered (a frame costs a few microseconds a side, a copy ~0.2 ms per MiB)."""
+
+    def __post_init__(self) -> None:
+        require(
+            self, positive=("max_frame_bytes", "staging_buffers"), non_negative=("zero_copy_min_run_bytes",)
+        )
 
 
 def _frombuffer(buf, dtype: torch.dtype, shape: tuple) -> torch.Tensor:

@@ -83,10 +83,12 @@ def config_from_args(cls, args: argparse.Namespace):
 def _cmd_node(args: argparse.Namespace) -> None:
     import uvicorn
 
+    from pdserve import kv_transfer
     from pdserve.config import EngineConfig, NodeConfig, Role
 
     try:
         node = config_from_args(NodeConfig, args)
+        kv_transfer.options_from_config(node.kv_transfer_config)  # refused here, before the model loads
     except ValueError as e:  # a bad flag combination: one line, no traceback
         sys.exit(f"pdserve node: {e}")
     if node.role == Role.PREFILL:

@@ -256,6 +256,12 @@ class NodeConfig:
     kv_send_connections: int = 4
     """KV connections a prefill node opens to each decode node (nixl and zmq; NCCL takes one): the
     sends of different requests overlap instead of each waiting for the previous one's ack."""
+    kv_transfer_config: str = ""
+    """The KV transports' options as a JSON object by transport, each naming fields of its options
+    (``NixlOptions``, ``ZmqOptions``, ``NcclOptions`` in ``pdserve.kv_transfer``; the rest keep
+    their tuned defaults), e.g. ``{"nixl": {"ucx_net_devices": "mlx5_0:1", "staging":
+    {"num_slots": 2}}}``. A node refuses at start what it cannot take: an unknown transport or
+    field, a value of the wrong type or out of range."""
     cluster_token: str = ""
     """Shared secret required on internal APIs and KV messages (default: $PDSERVE_CLUSTER_TOKEN);
     empty disables the check, which a node bound to a non-loopback address refuses (see below)."""

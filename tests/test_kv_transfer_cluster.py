@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
@@ -32,6 +33,10 @@ MAX_TOKENS = 16
 )
 def cluster(request, start_cluster):
     flags = ["--kv-transport", request.param, "--max-num-batched-tokens", "128"]
+    # Options the transport takes from --kv-transfer-config (a longer limit than its default: the
+    # sends are no different, and both nodes log what they got).
+    limit = {"nixl": "max_read_s", "nccl": "recv_timeout_s"}[request.param]
+    flags += ["--kv-transfer-config", json.dumps({request.param: {limit: 45}})]
     if request.param == "nccl":
         # Nodes on the CPU schedule synchronously by default; run the async engine loop here:
         # prefill chunks shipped while the next step runs, landings, late stops, streaming.
@@ -49,8 +54,12 @@ def reference(default_model_dir):
     return [o.outputs[0].text for o in chat], [o.outputs[0].text for o in completion]
 
 
+def _child(c: LocalCluster, role: str):
+    return next(x for x in c.children if x.role.startswith(role))
+
+
 def _url(c: LocalCluster, role: str) -> str:
-    return next(x.url for x in c.children if x.role.startswith(role))
+    return _child(c, role).url
 
 
 def _metric(url: str, name: str) -> float:
@@ -94,6 +103,16 @@ def test_outputs_match_llm_generate(cluster, reference):
             break
         assert time.monotonic() < deadline, loads
         time.sleep(0.2)
+
+
+def test_each_node_took_the_transfer_options_it_was_given(cluster):
+    transport, c = cluster
+    limit = {"nixl": "max_read_s", "nccl": "recv_timeout_s"}[transport]
+    for child, side in ((_child(c, "prefill"), "sender"), (_child(c, "decode"), "receiver")):
+        lines = [
+            line for line in child.log.read_text().splitlines() if f"KV {side}: {transport} with" in line
+        ]
+        assert len(lines) == 1 and f"{limit}=45.0" in lines[0], child.log.read_text()[-2000:]
 
 
 def test_decode_node_keeps_its_cached_prefix_and_receives_only_the_rest(cluster):

@@ -113,6 +113,7 @@ class CoreState:
         self.loop: EngineLoop | None = None
         self.info: NodeInfo | None = None
         self.publisher: IndexPublisher | None = None
+        self.transfer_options: tuple[object, ...] = ()  # --kv-transfer-config's (``start``)
         self.handlers: dict[type, Handler] = {
             EndRequest: self._end_request_call,
             GetStats: self._stats_call,
@@ -133,6 +134,8 @@ class CoreState:
 
     def start(self, make_services: ServicesFactory) -> CoreReady:
         node = self.node
+        # The transports' options first: a config they cannot take fails the start before the model loads.
+        self.transfer_options = kv_transfer.options_from_config(node.kv_transfer_config)
         publish = bool(node.redis_url)
         engine = self.engine = LLMEngine(self.engine_config, publish)
         node = self.node = kv_transport_for(engine, node)
@@ -163,11 +166,13 @@ class CoreState:
     @property
     def kv_options(self) -> list[object]:
         """Options for the node's KV transports (``kv_transfer.create_sender``/``create_receiver``):
-        a simulated engine's link; the transports' defaults otherwise."""
+        those of ``--kv-transfer-config`` and a simulated engine's link; the transports' defaults
+        for the rest."""
         sim = self.engine.simulation if self.engine is not None else None
         if sim is None:
-            return []
-        return [kv_transfer.SimOptions(sim.link.latency_s, sim.link.gbps, sim.kv_bytes_per_block)]
+            return list(self.transfer_options)
+        link = kv_transfer.SimOptions(sim.link.latency_s, sim.link.gbps, sim.kv_bytes_per_block)
+        return [*self.transfer_options, link]
 
     @property
     def transfer_bytes(self) -> int:
