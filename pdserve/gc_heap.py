@@ -19,6 +19,7 @@ import time
 
 from pdserve import envs
 from pdserve.messages import GcStats
+from pdserve.metrics import Registry
 
 _collections = [0, 0, 0]
 _seconds = [0.0, 0.0, 0.0]
@@ -57,3 +58,38 @@ def track() -> None:
 def pauses() -> GcStats:
     """This process's passes by generation since ``track``, and the objects frozen."""
     return GcStats(list(_collections), list(_seconds), gc.get_freeze_count())
+
+
+class GcMetrics:
+    """The collector's figures on a process's /metrics, by process (a node's "node" and "core",
+    the proxy's "proxy"; a proxy of several workers sums them): ``update`` before each render."""
+
+    def __init__(self, registry: Registry) -> None:
+        self.collections = registry.counter(
+            "pdserve_gc_collections_total",
+            "Passes of Python's cyclic garbage collector, by process (node, core: its engine core; "
+            "proxy) and generation (2: the oldest, which walks every object not frozen at start-up).",
+            ["process", "generation"],
+        )
+        self.seconds = registry.counter(
+            "pdserve_gc_pause_seconds_total",
+            "Seconds those passes took, by process and generation: the GIL is held throughout, so "
+            "every thread of the process (the engine loop's steps, the KV transfers, the proxy's "
+            "event loop) waited.",
+            ["process", "generation"],
+        )
+        self.frozen = registry.gauge(
+            "pdserve_gc_frozen_objects",
+            "Objects each process froze out of the collector's passes once it had started (pdserve.gc_heap).",
+            ["process"],
+        )
+        self._last: dict[tuple[str, int], tuple[int, float]] = {}
+
+    def update(self, process: str, stats: GcStats) -> None:
+        """Advance ``process``'s counters to the totals of ``stats`` (``pauses()`` of that process)."""
+        for generation, (count, seconds) in enumerate(zip(stats.collections, stats.seconds)):
+            last_count, last_seconds = self._last.get((process, generation), (0, 0.0))
+            self.collections.labels(process, str(generation)).inc(max(0, count - last_count))
+            self.seconds.labels(process, str(generation)).inc(max(0.0, seconds - last_seconds))
+            self._last[process, generation] = (count, seconds)
+        self.frozen.labels(process).set(stats.frozen)

@@ -37,6 +37,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from pdserve import gc_heap
 from pdserve.config import ModelConfig
 from pdserve.messages import TokenEvent
 from pdserve.metrics import CONTENT_TYPE, LATENCY_BUCKETS, Registry
@@ -402,6 +403,7 @@ class Proxy:
         self.shared_metrics = shared_metrics  # set in a worker of several: /metrics answers for all
         self.registry = Registry()
         self.metrics = ProxyMetrics(self.registry)
+        self.gc = gc_heap.GcMetrics(self.registry)
         self.lag = LoopLag(config.max_loop_lag_s)  # admission by this process's own capacity
         self.metrics.loop_lag.set_function(lambda: self.lag.lag)
         self.metrics.admission_waiting.set_function(lambda: self.lag.num_waiting)
@@ -415,6 +417,12 @@ class Proxy:
         self.router: Router | None = None
         self.dispatcher: Dispatcher | None = None
         self.started = False
+
+    def current_metrics(self) -> Registry:
+        """The registry, with what is read rather than counted as it happens (the collector's
+        passes) brought up to date: before every render or snapshot."""
+        self.gc.update("proxy", gc_heap.pauses())
+        return self.registry
 
     async def start(self) -> None:
         """Load the tokenizer, wait for the nodes, check the cluster; raises ClusterError."""
@@ -785,8 +793,8 @@ def create_app(config: ProxyConfig, proxy: Proxy | None = None) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        shared = proxy.shared_metrics
-        text = shared.render(proxy.registry) if shared is not None else proxy.registry.render()
+        shared, registry = proxy.shared_metrics, proxy.current_metrics()
+        text = shared.render(registry) if shared is not None else registry.render()
         return Response(text, media_type=CONTENT_TYPE)
 
     return app

@@ -231,6 +231,7 @@ async def serve_async(
             await asyncio.sleep(0.01)
         if server.started:
             gc_heap.freeze()  # started: the tokenizer, the app and the router stay for the process's life
+            gc_heap.track()
             if ready is not None:
                 ready()
         await serving
@@ -243,7 +244,7 @@ async def serve_async(
 async def _publish_metrics(proxy: Proxy, shared: SharedMetrics) -> None:
     while True:
         try:
-            shared.publish(proxy.registry)
+            shared.publish(proxy.current_metrics())
         except OSError:
             logger.warning("could not write this worker's metrics snapshot", exc_info=True)
         await asyncio.sleep(SNAPSHOT_INTERVAL_S)

@@ -54,6 +54,10 @@ def test_workers_share_the_port_and_metrics(cluster):
     assert samples["pdserve_requests_running"] == 0
     node_up = [v for k, v in samples.items() if k.startswith("pdserve_node_up")]
     assert node_up and all(v == 1.0 for v in node_up)  # merged by max, not summed
+    # Each worker froze its start-up heap and counts its collector's passes since (summed here).
+    assert samples['pdserve_gc_frozen_objects{process="proxy"}'] > 10_000 * WORKERS
+    assert samples['pdserve_gc_collections_total{process="proxy",generation="0"}'] > 0
+    assert 'pdserve_gc_pause_seconds_total{process="proxy",generation="2"}' in samples
 
 
 def test_a_second_proxy_on_the_port_fails_before_starting(cluster):

@@ -51,7 +51,6 @@ from pdserve.messages import (
     CoreStats,
     EndAll,
     EndRequest,
-    GcStats,
     GetStats,
     IsIdle,
     Message,
@@ -135,23 +134,7 @@ class NodeMetrics:
             "From a prompt's arrival on a prefill node to its first token, queueing included.",
             buckets=LATENCY_BUCKETS,
         )
-        self.gc_collections = r.counter(
-            "pdserve_gc_collections_total",
-            "Passes of Python's cyclic garbage collector, by process (node, core: its engine core) and "
-            "generation (2: the oldest, which walks every object not frozen at start-up).",
-            ["process", "generation"],
-        )
-        self.gc_seconds = r.counter(
-            "pdserve_gc_pause_seconds_total",
-            "Seconds those passes took, by process and generation: the GIL is held throughout, so "
-            "every thread of the process (the engine loop's steps, the KV transfers) waited.",
-            ["process", "generation"],
-        )
-        self.gc_frozen = r.gauge(
-            "pdserve_gc_frozen_objects",
-            "Objects each process froze out of the collector's passes once it had started (pdserve.gc_heap).",
-            ["process"],
-        )
+        self.gc = gc_heap.GcMetrics(r)
         self.simulated = r.gauge(
             "pdserve_simulated",
             "1 when this node's engine is simulated (--model sim:...): step times modelled, not measured.",
@@ -174,16 +157,9 @@ class NodeMetrics:
             self._advance(self.jit_compiles, "jit", stats.num_jit_compiles)
             self._advance(self.transfer_bytes, "bytes", stats.transfer_bytes)
             if stats.gc is not None:
-                self._gc("core", stats.gc)
-        self._gc("node", gc_heap.pauses())
+                self.gc.update("core", stats.gc)
+        self.gc.update("node", gc_heap.pauses())
         return self.registry.render()
-
-    def _gc(self, process: str, stats: GcStats) -> None:
-        for generation, (count, seconds) in enumerate(zip(stats.collections, stats.seconds)):
-            key = f"gc-{process}-{generation}"
-            self._advance(self.gc_collections.labels(process, str(generation)), key, count)
-            self._advance(self.gc_seconds.labels(process, str(generation)), key + "-s", seconds)
-        self.gc_frozen.labels(process).set(stats.frozen)
 
 
 AddCalls = Callable[[ChannelServer, "NodeState"], None]
