@@ -36,10 +36,12 @@ from pdserve.kv_transfer.messages import (
     KVSetupReply,
 )
 from pdserve.kv_transfer.plane import Landing, Outbox, ReceiverPlane
-from pdserve.messages import NodeInfo, decode, encode
+from pdserve.messages import NodeInfo, decode, decoder, encode
 from pdserve.utils import YIELD_S, precise_sleeps
 
 logger = logging.getLogger(__name__)
+
+_decode_request = decoder(REQUESTS)  # held: a send's data message is decoded on its path
 
 RECEIVE_HWM = 16
 """Messages a receiver queues per connection before TCP pushes back: bounds what one peer, even
@@ -454,7 +456,7 @@ class ControlReceiver(KVReceiver):
         if conn is None or conn.lane is not lane:
             raise LaneClosed("its connection is gone")
         try:
-            msg = decode(body, REQUESTS)
+            msg = _decode_request(body)
         except Exception as e:
             self._refused("dropping a malformed KV message on a lane: %s", e)
             return
@@ -576,7 +578,7 @@ class ControlReceiver(KVReceiver):
         if conn is not None and conn.fd != fd:  # the routing id came back on another connection
             self._forget(peer)
             conn = None
-        msg = decode(frames[0].buffer, REQUESTS)
+        msg = _decode_request(frames[0].buffer)
         if isinstance(msg, KVHandshake):
             self._forget(peer)  # a handshake starts the connection's state afresh
             if len(frames) != 1:

@@ -45,10 +45,12 @@ from pdserve.kv_transfer.messages import (
     KVSetupReply,
 )
 from pdserve.kv_transfer.plane import ControlLink, SenderPlane, SenderSession
-from pdserve.messages import NodeInfo, decode, encode
+from pdserve.messages import NodeInfo, decode, decoder, encode
 from pdserve.utils import precise_sleeps
 
 logger = logging.getLogger(__name__)
+
+_decode_reply = decoder(REPLIES)  # held: a send's ack is decoded on its path
 
 LANE_CONNECT_S = 2.0
 """How long a sender tries to open a lane before it keeps the session on the control connection."""
@@ -277,7 +279,7 @@ class _Peer(ControlLink):
                 if resend and time.monotonic() < deadline:
                     self.send(resend, deadline)
                 continue
-            msg = decode(body, REPLIES)
+            msg = _decode_reply(body)
             if isinstance(msg, kind) and (not isinstance(msg, KVAck) or msg.request_id == self._waiting_for):
                 return msg
             if self.session is not None:  # a data plane's report (nixl: a READ over) while waiting

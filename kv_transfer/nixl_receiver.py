@@ -239,6 +239,12 @@ class NixlReceiverPlane(CacheEnd, ReceiverPlane):
                         read.seen = state
                 except Exception:  # ``poll`` deals with a READ whose state cannot be read
                     pass
+                # Over (the usual send: landed, committed and acked): taken here, not through a
+                # turn of ``poll`` (four Python calls fewer on every send's path).
+                if read.seen and self._poll_safely(read):
+                    del self._inflight[0]
+                    if not self._commits:
+                        return
         self.poll()
 
     def poll(self) -> bool:
@@ -390,7 +396,7 @@ class NixlReceiverPlane(CacheEnd, ReceiverPlane):
             elif (indices := self._unit_indices(remote, msg)) is not None:
                 # One descriptor per unit, taken by index from the lists prepared once (no list built
                 # for the READ): scattered blocks, or few (``_unit_indices``).
-                nbytes = self._packed_bytes(msg)
+                nbytes = (msg.layer_end - msg.layer_start) * len(msg.dst_block_ids) * self.slab_bytes
                 local, source = indices
                 handle = self.agent.make_prepped_xfer("READ", self._units, local, remote.units, source)
             else:
@@ -507,7 +513,14 @@ class NixlReceiverPlane(CacheEnd, ReceiverPlane):
         request's last READ that landed with its commit waiting (the usual send: one READ, the
         commit inside its KVReady) is committed as it is unpinned, under one hold of the table's
         lock, and acked at once; any other commit waits for ``_settle_commits``."""
-        commit = None if error else self._last_read(peer, msg)
+        commits = self._commits
+        if error:
+            commit = None
+        elif len(commits) == 1 and len(self._inflight) <= 1 and not self._waiting:  # the usual send
+            commit = commits[0]  # (``_last_read``'s answer then, without the call)
+            commit = commit if commit[0] == peer and commit[1].request_id == msg.request_id else None
+        else:
+            commit = self._last_read(peer, msg)
         outcome = self.table.end(
             msg.request_id, msg.dst_block_ids, msg.layer_start, msg.layer_end, error, commit is not None
         )
@@ -523,9 +536,6 @@ class NixlReceiverPlane(CacheEnd, ReceiverPlane):
         """The commit waiting for ``msg``'s request (peer, commit) when this is its last READ: none
         other running (``_inflight`` may still hold this one) or waiting for a slot; else None."""
         rid = msg.request_id
-        if len(self._commits) == 1 and len(self._inflight) <= 1 and not self._waiting:  # the usual send
-            commit = self._commits[0]
-            return commit if commit[0] == peer and commit[1].request_id == rid else None
         commit = next((c for c in self._commits if c[0] == peer and c[1].request_id == rid), None)
         if commit is None or any(
             r.msg is not msg and r.peer == peer and r.msg.request_id == rid for r in self._inflight

@@ -128,10 +128,6 @@ READ: a READ still running then fails before the sender stops waiting for the ac
 that waited behind it is refused before the sender may give the source blocks back."""
 
 
-def _read_timeout(left: float) -> float:
-    return max(left - min(READ_MARGIN_S, left / 10), 0.0)
-
-
 class _Offered(NamedTuple):
     """A READ offered to the decode node and not yet reported over (a tuple: one is made per send,
     on the caller's path, where a frozen dataclass's ``__init__`` costs a microsecond)."""
@@ -221,7 +217,14 @@ class NixlSession(SenderSession):
         """One KVReady, with the commit: the blocks READ in place in one READ (written: no layer
         chunks), none of the session's READs pending, and the send not one that packs
         (``_pieces``); None otherwise."""
-        if self._pending or self._pieces(src_block_ids, dst_block_ids, False):
+        plane = self.plane
+        if self._pending or (
+            # ``packs``' first test inline (a send of few blocks, the usual one, cannot pack)
+            plane.packs_here
+            and len(src_block_ids) * (1 if plane.layout.block_major else plane.layout.num_layers)
+            > plane.options.descriptors_per_piece
+            and self._pieces(src_block_ids, dst_block_ids, False)
+        ):
             return None
         self._error = ""
         num_layers = self.plane.layout.num_layers
@@ -240,17 +243,20 @@ class NixlSession(SenderSession):
         src_offset: int = -1,
         commit: KVCommit | None = None,
     ) -> None:
-        """Send one KVReady, with the READ's time to run (``_read_timeout``); pending until reported
+        """Send one KVReady, with the READ's time to run (the send's time left less ``READ_MARGIN_S``,
+        at most a tenth of it); pending until reported
         (or, with the commit, until the ack)."""
         now = time.monotonic()
-        timeout = _read_timeout(max(deadline - now, 0.0))
+        left = max(deadline - now, 0.0)
+        timeout = max(left - min(READ_MARGIN_S, left / 10), 0.0)
         xfer_id = next(self.plane._xfer_ids)
         msg = KVReady(request_id, xfer_id, src, dst, layer_start, layer_end, timeout, src_offset, commit)
         self._pending[xfer_id] = _Offered(slot, now + timeout)
         self.peer.send([encode(msg)], deadline)
 
     def _finish(self, until: float) -> None:
-        self._drain(until, "")
+        if self._pending or self._error:  # (after the ack, the usual case: neither)
+            self._drain(until, "")
 
     def received(self, msg: KVMessage) -> None:
         if isinstance(msg, KVReadDone):

@@ -6,6 +6,7 @@ until the sender released them, even when the request is aborted or its send fai
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import multiprocessing as mp
 import os
@@ -23,8 +24,8 @@ import torch
 
 from pdserve import kv_transfer
 from pdserve.kv_transfer import KVSendFuture, KVTransferError, ReservationTable
-from pdserve.kv_transfer.messages import KVCommit
-from pdserve.messages import NodeInfo
+from pdserve.kv_transfer.messages import KVCommit, KVReady
+from pdserve.messages import NodeInfo, decode
 
 nixl_only = pytest.mark.skipif("nixl" not in kv_transfer.available_transports(), reason="nixl not installed")
 
@@ -719,7 +720,7 @@ def test_a_sender_that_loses_its_connection_keeps_the_blocks_until_its_reads_wer
     sender may release the blocks), and frees their staging slots only then. READs reported over
     (or acked) earlier, with longer times, do not count."""
     from pdserve.kv_transfer.nixl_common import NixlOptions
-    from pdserve.kv_transfer.nixl_sender import READ_MARGIN_S, NixlSession, _Offered, _read_timeout
+    from pdserve.kv_transfer.nixl_sender import READ_MARGIN_S, NixlSession, _Offered
 
     released: list[tuple[int, float]] = []
     plane = types.SimpleNamespace(
@@ -745,7 +746,16 @@ def test_a_sender_that_loses_its_connection_keeps_the_blocks_until_its_reads_wer
     session._pending = {4: _Offered(-1, time.monotonic() + 60.0)}
     assert session.close() == pytest.approx(time.monotonic() + 5.0 + READ_MARGIN_S, abs=0.05)
     assert session.close() <= time.monotonic()  # nothing pending: free now
-    assert _read_timeout(10.0) == 10.0 - READ_MARGIN_S and _read_timeout(1.0) == pytest.approx(0.9)
+    # A READ is given the send's time left less the margin, at most a tenth of it.
+    sent: list = []
+    plane._xfer_ids = itertools.count()
+    session.peer = types.SimpleNamespace(
+        send=lambda frames, deadline: sent.append(decode(frames[0], KVReady))
+    )
+    for left in (10.0, 1.0):
+        session._offer("r", -1, [0], [0], 0, 1, time.monotonic() + left)
+    assert sent[0].timeout_s == pytest.approx(10.0 - READ_MARGIN_S, abs=0.01)
+    assert sent[1].timeout_s == pytest.approx(0.9, abs=0.01)
 
 
 @nixl_only
