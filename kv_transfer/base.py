@@ -56,10 +56,9 @@ class _Reservation:
     committed: bool = False
 
     def num_missing(self, num_layers: int) -> int:
-        """(layer, block) units of the reservation no write covered."""
+        """(layer, block) units of the reservation no write covered (``ReservationTable._commit``
+        answers the usual case, one write of every block in order, before calling this)."""
         landed = self.landed
-        if len(landed) == 1 and landed[0][:2] == (0, num_layers) and list(landed[0][2]) == self.block_ids:
-            return 0  # one write of every block in the reservation's order: compared in C
         if all(start == 0 and end == num_layers for start, end, _ in landed):
             # Every write covered all layers (the common case of a send in one piece): a set will do,
             # which costs a few microseconds where the grid below costs tens.
@@ -241,7 +240,8 @@ class ReservationTable:
             return "lease expired before the KV arrived"
         if self._inflight.get(request_id):
             return f"request {request_id!r} committed while part of its KV was still in flight"
-        # ``num_missing``'s first case inline (every send's path): one write of every block, in order.
+        # One write of every block in the reservation's order, the usual send: compared in C here,
+        # on every send's path, before ``num_missing``'s general count.
         landed = r.landed
         ids = landed[0][2] if len(landed) == 1 and landed[0][:2] == (0, self.num_layers) else None
         if ids is not None and (ids if type(ids) is list else list(ids)) == r.block_ids:
